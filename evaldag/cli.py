@@ -1,0 +1,136 @@
+"""`evaldag` command line. Commands import their heavy modules inside the function, so `--help` stays fast.
+
+Every `EvalDagError` raised by any command is printed as one red line (plus any detail lines of its message) and
+exits with code 1, without a traceback: see `_Group.invoke`, the one place that handles it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from evaldag.errors import EvalDagError
+
+
+class _Group(TyperGroup):
+    """Runs every subcommand; turns an `EvalDagError` into a clear message and exit code 1."""
+
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except EvalDagError as e:
+            _error(str(e))
+            raise typer.Exit(1) from None
+
+
+def _error(message: str) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    first, _, rest = message.partition("\n")
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console.print(Text(f"error: {first}", style="bold red"))
+    if rest:
+        console.print(Text(rest, style="dim"))
+
+
+app = typer.Typer(
+    cls=_Group,
+    name="evaldag",
+    help="Evaluate training checkpoints on math benchmarks as Prefect DAGs, tracked in MLflow.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+# ------------------------------------------------------------------------ local stack
+
+
+@app.command()
+def up(
+    gpu_workers: Annotated[Optional[int], typer.Option(
+        "--gpu-workers", min=0, help="Workers on the `gpu` pool, one shard at a time each [env EVALDAG_GPU_WORKERS; "
+        "default 1].")] = None,
+    no_deploy: Annotated[bool, typer.Option(
+        "--no-deploy", help="Start the stack without running `prefect deploy` of deployments/prefect.yaml.")] = False,
+) -> None:
+    """Start the local stack (Prefect server, work pools and workers, MLflow server) and deploy the flows."""
+    from rich.console import Console
+
+    from evaldag.stack import Stack, StackSettings
+
+    console = Console(highlight=False)
+    stack = Stack(StackSettings.from_env(gpu_workers=gpu_workers))
+    with console.status(f"starting the local stack in {stack.home} ..."):
+        report = stack.up(deploy=not no_deploy)
+    if report.started:
+        console.print(f"started: {', '.join(report.started)}")
+    if report.kept:
+        console.print(f"already running: {', '.join(report.kept)}")
+    if report.stopped:
+        console.print(f"stopped (no longer configured): {', '.join(report.stopped)}")
+    if report.deployed:
+        console.print(f"deployed {stack.deployments_file.relative_to(stack.deployments_file.parents[1])}")
+    console.print(f"[green]stack is up[/] ({report.elapsed_s:.1f} s, state in {stack.home})")
+    console.print(f"  Prefect UI: {stack.prefect_url}")
+    console.print(f"  MLflow UI:  {stack.mlflow_url}")
+    console.print("To use it from this shell:")
+    for line in stack.env_lines():
+        console.print(f"  {line}", markup=False)
+
+
+@app.command()
+def down() -> None:
+    """Stop the local stack: workers first, then the servers (their data stays in the state directory)."""
+    from evaldag.stack import Stack
+
+    stack = Stack()
+    stopped = stack.down()
+    if stopped:
+        typer.echo(f"stopped: {', '.join(stopped)}")
+    else:
+        typer.echo(f"nothing running (no live stack recorded in {stack.home})")
+
+
+@app.command()
+def status() -> None:
+    """Show the components of the local stack: pid, alive, healthy, URL."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from evaldag.stack import Stack
+
+    stack = Stack()
+    rows = stack.status()
+    console = Console(highlight=False)
+    if not rows:
+        console.print(f"nothing running (no stack recorded in {stack.home}); start it with `evaldag up`")
+        return
+    table = Table(title=f"evaldag stack in {stack.home}")
+    for col in ("component", "pid", "alive", "healthy", "url"):
+        table.add_column(col)
+    yes, no = "[green]yes[/]", "[red]no[/]"
+    for r in rows:
+        table.add_row(r.component, str(r.pid or "-"), yes if r.alive else no, yes if r.healthy else no, r.url or "")
+    console.print(table)
+    if not all(r.healthy for r in rows):
+        console.print("[yellow]some components are not healthy: `evaldag up` restarts dead ones; logs are in "
+                      f"{stack.logs_dir}[/]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def env() -> None:
+    """Print `export` lines for the stack's URLs: eval "$(evaldag env)"."""
+    from evaldag.stack import Stack
+
+    for line in Stack().env_lines():
+        typer.echo(line)
+
+
+if __name__ == "__main__":
+    app()

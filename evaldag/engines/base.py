@@ -1,0 +1,33 @@
+"""The engine interface: chat prompts in, completions with token counts, finish reason and latency out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from evaldag.config import SamplingConfig
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated completion."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int      # up to and including the end-of-sequence token
+    finish_reason: str          # "stop" or "length"
+    latency_s: float            # wall time of the batch that produced it
+    batch_size: int             # prompts in that batch
+
+
+# progress callback: (prompts done, prompts total, tokens generated so far, seconds so far)
+Progress = Callable[[int, int, int, float], None]
+
+
+class Engine(Protocol):
+    """What every engine offers; `generate` returns, per prompt, `sampling.n` completions in input order."""
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 progress: Progress | None = None) -> list[list[Completion]]: ...
+
+    def close(self) -> None: ...

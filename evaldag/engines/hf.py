@@ -1,0 +1,97 @@
+"""transformers engine: batched `generate` with left padding and length-sorted batches (bf16 on CPU by default).
+
+Static batching runs each batch until its longest sequence stops, so prompts are sorted by token length to keep
+padding low; batch composition is deterministic (it is part of the eval_key through batch_size and the shard plan)
+because greedy outputs shift slightly with padding and batch size.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from evaldag.config import SamplingConfig
+from evaldag.engines.base import Completion, Progress
+
+
+class HFEngine:
+    """Hugging Face transformers generation on CPU or a single GPU."""
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32) -> None:
+        self.batch_size = batch_size
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        gen_cfg = self.model.generation_config
+        eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else self.tokenizer.eos_token_id
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos])
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
+
+    def _format(self, prompt: str) -> str:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return prompt
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
+        texts = [self._format(p) for p in prompts]
+        # The chat template already holds the special tokens; adding them again would double the BOS.
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+        results: list[list[Completion] | None] = [None] * len(texts)
+        done, tokens, start = 0, 0, time.perf_counter()
+        for b, lo in enumerate(range(0, len(order), self.batch_size)):
+            idx = order[lo:lo + self.batch_size]
+            batch = self._generate_batch([texts[i] for i in idx], sampling, seed=sampling.seed + b)
+            for i, comps in zip(idx, batch):
+                results[i] = comps
+                tokens += sum(c.completion_tokens for c in comps)
+            done += len(idx)
+            if progress:
+                progress(done, len(texts), tokens, time.perf_counter() - start)
+        return results  # type: ignore[return-value]
+
+    def _generate_batch(self, texts: list[str], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        kwargs = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(self.eos_ids),
+                      pad_token_id=self.pad_id, num_return_sequences=sampling.n)
+        if sampling.temperature > 0:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(**enc, **kwargs)
+        latency = time.perf_counter() - t0
+        prompt_lens = enc["attention_mask"].sum(dim=1).tolist()
+        new = out[:, enc["input_ids"].shape[1]:].tolist()
+        per_prompt: list[list[Completion]] = []
+        for p, plen in enumerate(prompt_lens):
+            comps = []
+            for row in new[p * sampling.n:(p + 1) * sampling.n]:
+                stop_at = next((k for k, t in enumerate(row) if t in self.eos_ids), None)
+                kept = row[:stop_at + 1] if stop_at is not None else row
+                comps.append(Completion(
+                    text=self.tokenizer.decode(kept, skip_special_tokens=True),
+                    prompt_tokens=int(plen),
+                    completion_tokens=len(kept),
+                    finish_reason="stop" if stop_at is not None else "length",
+                    latency_s=latency,
+                    batch_size=len(texts),
+                ))
+            per_prompt.append(comps)
+        return per_prompt
+
+    def close(self) -> None:
+        """Free the model (a shard process exits anyway; this matters for in-process use)."""
+        del self.model

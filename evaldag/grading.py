@@ -1,0 +1,358 @@
+"""Grading: turn (completion, gold) pairs into correct / wrong / unparseable / timeout / truncated.
+
+The comparison itself is math-verify (`parse` + `verify`, gold first). What this module adds:
+
+- `normalize_gold` turns each benchmark's gold field into one canonical string, so that the cache key, the table
+  and the grader all see the same gold ("025" -> "25", "... #### 1,234" -> "1234", 27.0 -> "27").
+- `grade_one` is the pure per-item function. It runs math-verify with its own timeouts switched off: those use
+  `signal.alarm`, which raises outside the main thread and cannot interrupt sympy while it is stuck in C code.
+- `grade_many` runs `grade_one` in a pebble process pool with a hard per-item timeout: pebble kills the worker
+  process of an item that overruns, which works whatever the worker is doing.
+- `grade_table` applies it to a generations table (`evaldag.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`).
+
+math_verify (sympy) and polars are imported lazily, so `import evaldag.grading` stays cheap for the CLI and for the
+pool's worker processes, which import this module to find `_grade_item`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import re
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import polars as pl
+
+log = logging.getLogger(__name__)
+
+# Part of every grade cache key: bump the suffix whenever a change here can change any grade
+# (gold normalisation, extraction configs, status rules, math-verify minor version).
+GRADER_VERSION: str = "math-verify-0.9/1"
+
+GoldFormat = Literal["latex", "integer", "gsm8k", "number"]
+GOLD_FORMATS: tuple[str, ...] = ("latex", "integer", "gsm8k", "number")
+
+# Statuses, spelled as in evaldag.schema.GRADE_STATUSES (checked by the tests).
+CORRECT, WRONG, UNPARSEABLE, TIMEOUT, TRUNCATED = "correct", "wrong", "unparseable", "timeout", "truncated"
+
+# `pred` is for display in tables and the UI; a runaway extraction (a whole paragraph of LaTeX) is cut here.
+PRED_MAX_CHARS = 200
+
+_INT_RE = re.compile(r"[+-]?\d+")
+_NUMBER_RE = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Gold normalisation
+# --------------------------------------------------------------------------------------------------------------
+
+def _bad_gold(raw: object, fmt: str, expected: str) -> ValueError:
+    return ValueError(f"cannot normalize gold {raw!r} as format {fmt!r}: expected {expected}")
+
+
+def _canonical_number(d: Decimal) -> str:
+    """27.0 -> "27", 0.50 -> "0.5", 1E+3 -> "1000": no exponent, no trailing zeros."""
+    if d == d.to_integral_value():
+        return str(int(d))
+    return format(d.normalize(), "f")
+
+
+def normalize_gold(raw: object, fmt: GoldFormat) -> str:
+    """Return the canonical gold string for a dataset's raw gold field.
+
+    - ``latex`` (MATH-500, bare LaTeX such as ``\\frac{14}{3}``): the stripped string.
+    - ``integer`` (AIME: ``"025"`` or ``25``): the integer without leading zeros (``"25"``, ``"000"`` -> ``"0"``).
+    - ``gsm8k`` (a worked solution ending in ``#### 1,234``): the number after the last ``####`` without commas
+      and spaces (``"1234"``); sign and decimals are kept.
+    - ``number`` (AMC23: ``27.0``, ``0.5``, ``"3"``): the shortest plain decimal (``"27"``, ``"0.5"``).
+
+    Raises ValueError, naming the value, the format and what was expected, when the value cannot be normalized:
+    a gold we cannot read is a data error and must never be graded as a silent "wrong".
+    """
+    if fmt not in GOLD_FORMATS:
+        raise ValueError(f"unknown gold format {fmt!r} for gold {raw!r}; expected one of {GOLD_FORMATS}")
+    # bool is an int subclass; a True/False gold is always a data error, never the integer 1/0.
+    if raw is None or isinstance(raw, bool):
+        raise _bad_gold(raw, fmt, "a non-empty value")
+
+    if fmt == "latex":
+        if isinstance(raw, int) or (isinstance(raw, float) and math.isfinite(raw)):
+            raw_s = _canonical_number(Decimal(repr(raw)))
+        elif isinstance(raw, str):
+            raw_s = raw.strip()
+        else:
+            raise _bad_gold(raw, fmt, "a LaTeX string")
+        if not raw_s:
+            raise _bad_gold(raw, fmt, "a non-empty LaTeX string")
+        return raw_s
+
+    if fmt == "integer":
+        if isinstance(raw, int):
+            return str(raw)
+        if isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():
+            return str(int(raw))
+        if isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
+            return str(int(raw.strip()))  # int() drops leading zeros: "025" -> 25, "000" -> 0
+        raise _bad_gold(raw, fmt, "an integer or a string of digits such as '025'")
+
+    if fmt == "gsm8k":
+        if not isinstance(raw, str) or "####" not in raw:
+            raise _bad_gold(raw, fmt, "a GSM8K answer ending in '#### <number>'")
+        tail = raw.rsplit("####", 1)[1]
+        number = re.sub(r"[,\s]", "", tail)
+        if not _NUMBER_RE.fullmatch(number):
+            raise _bad_gold(raw, fmt, f"a number after the last '####', found {tail.strip()!r}")
+        return number.lstrip("+")
+
+    # fmt == "number"
+    if isinstance(raw, int):
+        return str(raw)
+    if isinstance(raw, float):
+        if not math.isfinite(raw):
+            raise _bad_gold(raw, fmt, "a finite number")
+        # repr() is the shortest string that round-trips, so 0.1 stays "0.1" rather than 0.1000000000000000055...
+        return _canonical_number(Decimal(repr(raw)))
+    if isinstance(raw, str) and _NUMBER_RE.fullmatch(raw.strip().replace(",", "")):
+        try:
+            return _canonical_number(Decimal(raw.strip().replace(",", "")))
+        except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
+            pass
+    raise _bad_gold(raw, fmt, "a number such as 27.0, 0.5 or '3'")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grading one item
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Grade:
+    """The grade of one completion. `status` is one of `evaldag.schema.GRADE_STATUSES`."""
+
+    pred: str | None   # extracted answer as text (also for truncated rows); None when nothing was extracted
+    status: str
+    correct: bool
+    seconds: float     # time spent grading (the timeout for a timed-out item)
+
+
+class _MathVerifyNoise(logging.Filter):
+    # We switch math-verify's signal timeouts off on purpose (the pool enforces the timeout), so its
+    # once-per-process "Timeout is disabled" warning would only be noise in every worker's log.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+@lru_cache(maxsize=1)
+def _math_verify() -> tuple[Any, Any]:
+    """Import math_verify on first use (it pulls in sympy) and quiet its expected warning."""
+    from math_verify import parse, verify
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(_MathVerifyNoise())
+    return parse, verify
+
+
+@lru_cache(maxsize=4096)
+def _parse_gold(gold: str) -> list:
+    """Parse a normalized gold; cached because each problem is graded n_samples times with the same gold."""
+    if not isinstance(gold, str) or not gold.strip():
+        raise ValueError(f"gold {gold!r} is empty or not a string; expected a normalized gold (see normalize_gold)")
+    parse, _ = _math_verify()
+    # Bare LaTeX such as `\text{(C)}` or `\$18.90` parses to [] unless it is inside math delimiters.
+    parsed = parse("$" + gold + "$", parsing_timeout=None)
+    if not parsed:
+        parsed = parse(gold, parsing_timeout=None)
+    if not parsed:
+        raise ValueError(f"math-verify cannot parse gold {gold!r} (tried '${gold}$' and the bare string); "
+                         "fix the dataset's gold field or its gold format")
+    return parsed
+
+
+def _pred_text(parsed: list) -> str | None:
+    """A short readable form of a math-verify parse result: the extracted string, else str() of the sympy object."""
+    if not parsed:
+        return None
+    text = parsed[1] if len(parsed) > 1 and isinstance(parsed[1], str) else str(parsed[0])
+    text = text.strip()
+    return text if len(text) <= PRED_MAX_CHARS else text[: PRED_MAX_CHARS - 1] + "…"
+
+
+def grade_one(completion: str, gold: str, finish_reason: str = "stop") -> Grade:
+    """Grade one completion against a normalized gold, in the calling process, without any timeout.
+
+    The caller bounds the time (see `grade_many`). Status rules, in order:
+    finish_reason "length" -> "truncated" (pred still extracted, for display); nothing extracted -> "unparseable";
+    else "correct"/"wrong" from math-verify's `verify(gold, pred)`.
+    Raises ValueError when the gold cannot be parsed (a data error, not a wrong answer).
+    """
+    t0 = time.perf_counter()
+    parse, verify = _math_verify()
+    gold_parsed = _parse_gold(gold)
+    pred_parsed = parse(completion or "", parsing_timeout=None)
+    pred = _pred_text(pred_parsed)
+    if finish_reason == "length":
+        status, correct = TRUNCATED, False
+    elif not pred_parsed:
+        status, correct = UNPARSEABLE, False
+    else:
+        correct = bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+        status = CORRECT if correct else WRONG
+    return Grade(pred=pred, status=status, correct=correct, seconds=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Grading many items
+# --------------------------------------------------------------------------------------------------------------
+
+def _timeout_grade(timeout_s: float) -> Grade:
+    return Grade(pred=None, status=TIMEOUT, correct=False, seconds=float(timeout_s))
+
+
+def _grade_item(completion: str, gold: str, finish_reason: str) -> Grade:
+    """The task run in pool workers (module level so that it pickles by reference)."""
+    return grade_one(completion, gold, finish_reason)
+
+
+def _warm_worker() -> None:
+    """Pool initializer: import math-verify and build its parsers before the first item's timeout starts."""
+    try:
+        grade_one("\\boxed{1}", "1")
+    except Exception:  # pragma: no cover - a broken install shows up again, with its traceback, on the first item
+        pass
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    """The start method for grading workers.
+
+    Not "fork": the parent may hold torch, polars and Prefect/pebble threads, and forking a threaded process can
+    deadlock in the child. "forkserver" starts one clean server process (once per parent process) that preloads
+    math-verify, then forks each worker from it: safe like "spawn", and a worker that replaces one killed by a
+    timeout starts in milliseconds instead of re-importing sympy.
+    """
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        # Only takes effect if the forkserver is not running yet; otherwise workers just import it themselves.
+        ctx.set_forkserver_preload(["evaldag.grading", "math_verify"])
+        return ctx
+    return multiprocessing.get_context("spawn")  # pragma: no cover - platforms without fork (Windows)
+
+
+class _InlineTimeout(BaseException):
+    # BaseException, so that math-verify's and sympy's `except Exception` blocks do not swallow it.
+    pass
+
+
+def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: float) -> Grade:
+    """Grade in the calling thread; in the main thread, bound it with a SIGALRM interval timer.
+
+    The timer only fires between Python bytecodes, so sympy stuck inside C code is not interrupted here;
+    outside the main thread there is no timeout at all. Use workers >= 1 for a hard bound.
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return grade_one(completion, gold, finish_reason)
+
+    def on_alarm(signum: int, frame: object) -> None:
+        raise _InlineTimeout()
+
+    old_handler = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return grade_one(completion, gold, finish_reason)
+    except _InlineTimeout:
+        return _timeout_grade(timeout_s)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old_handler)
+
+
+def _with_item(i: int, gold: str, error: ValueError) -> ValueError:
+    return ValueError(f"item {i} (gold {gold!r}): {error}")
+
+
+def grade_many(items: Sequence[tuple[str, str, str]], timeout_s: float = 10.0, workers: int = 2) -> list[Grade]:
+    """Grade (completion, gold, finish_reason) items; returns one Grade per item, in input order.
+
+    workers >= 1: a pebble ProcessPool; each item is its own task with a hard `timeout_s` (pebble kills the worker
+    process of an item that overruns and starts a fresh one), and such an item gets status "timeout". A worker that
+    dies (e.g. killed for memory) on an item also gives that item "timeout": the grader could not finish it.
+    workers == 0: grade in the calling thread (for debugging); see `_grade_inline` for the weaker timeout.
+    A gold that cannot be parsed raises ValueError naming the item index and the gold.
+
+    Notes: pebble checks timeouts about every 0.1 s, so an item finishing within that can beat a smaller timeout_s.
+    Workers start by "forkserver" (see `_mp_context`), so a script calling this needs the usual
+    `if __name__ == "__main__":` guard, as with any non-fork multiprocessing.
+    """
+    items = [tuple(item) for item in items]
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if workers < 0:
+        raise ValueError(f"workers must be >= 0, got {workers!r}")
+    if not items:
+        return []
+
+    if workers == 0:
+        out = []
+        for i, (completion, gold, finish_reason) in enumerate(items):
+            try:
+                out.append(_grade_inline(completion, gold, finish_reason, timeout_s))
+            except ValueError as error:
+                raise _with_item(i, gold, error) from error
+        return out
+
+    from pebble import ProcessExpired, ProcessPool
+
+    # One task per item rather than chunks: pebble's per-task overhead is well under a millisecond, and a single
+    # item per task makes the timeout exactly per item (a chunk's timeout would have to be retried item by item).
+    pool = ProcessPool(max_workers=min(workers, len(items)), initializer=_warm_worker, context=_mp_context())
+    ok = False
+    try:
+        futures = [pool.schedule(_grade_item, args=item, timeout=timeout_s) for item in items]
+        out = []
+        for i, future in enumerate(futures):
+            try:
+                out.append(future.result())
+            except TimeoutError:
+                out.append(_timeout_grade(timeout_s))
+            except ProcessExpired as error:
+                log.warning("grading worker died on item %d (exit code %s); graded as timeout", i, error.exitcode)
+                out.append(_timeout_grade(timeout_s))
+            except ValueError as error:
+                raise _with_item(i, items[i][1], error) from error
+        ok = True
+    finally:
+        # On success every task is done and close() lets the workers exit; on an error stop() cancels the
+        # remaining tasks and kills the workers instead of grading the rest of a batch that has failed.
+        if ok:
+            pool.close()
+        else:
+            pool.stop()
+        pool.join()
+    return out
+
+
+def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2) -> pl.DataFrame:
+    """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s (`GRADED_SCHEMA`)."""
+    import polars as pl
+
+    from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
+
+    df = conform(df, GENERATION_SCHEMA)
+    items = list(zip(df["completion"].fill_null("").to_list(),
+                     df["gold"].to_list(),
+                     df["finish_reason"].fill_null("").to_list()))
+    grades = grade_many(items, timeout_s=timeout_s, workers=workers)
+    graded = df.with_columns(
+        pl.Series("pred", [g.pred for g in grades], dtype=pl.Utf8),
+        pl.Series("status", [g.status for g in grades], dtype=pl.Utf8),
+        pl.Series("correct", [g.correct for g in grades], dtype=pl.Boolean),
+        pl.Series("grade_s", [g.seconds for g in grades], dtype=pl.Float64),
+    )
+    return conform(graded, GRADED_SCHEMA)

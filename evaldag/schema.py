@@ -1,0 +1,76 @@
+"""The per-sample table: one versioned schema, read and written here by every stage and tool.
+
+Stages hand each other parquet files, never in-memory objects:
+  inputs (resolve) -> generations (generate) -> graded (grade) -> metrics (reduce).
+Each file carries `evaldag.schema_version` in its parquet metadata so a reader can refuse a file it does not know.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+SCHEMA_VERSION = "1"
+
+# One row per problem of the benchmark slice, written by resolve.
+INPUT_SCHEMA: dict[str, pl.DataType] = {
+    "sample_id": pl.Utf8,        # stable id of the problem in its dataset (unique_id, id, idx, ...)
+    "prompt": pl.Utf8,           # user message: the problem plus the benchmark's instruction
+    "gold": pl.Utf8,             # normalised gold answer (see evaldag.grading.normalize_gold)
+    "gold_raw": pl.Utf8,         # gold field exactly as in the dataset
+    "subject": pl.Utf8,          # null when the dataset has none
+    "level": pl.Int64,           # null when the dataset has none
+}
+
+# One row per completion (sample_id x sample_index), written by generate.
+GENERATION_SCHEMA: dict[str, pl.DataType] = {
+    **INPUT_SCHEMA,
+    "sample_index": pl.Int64,    # 0..n-1 when n samples are drawn per problem
+    "shard_index": pl.Int64,
+    "completion": pl.Utf8,
+    "prompt_tokens": pl.Int64,   # tokens of the full chat-formatted prompt
+    "completion_tokens": pl.Int64,
+    "finish_reason": pl.Utf8,    # "stop" (end of sequence) or "length" (hit max_new_tokens)
+    "latency_s": pl.Float64,     # wall time of the batch that produced this completion
+    "batch_size": pl.Int64,
+}
+
+# Grading adds these columns.
+GRADE_STATUSES = ("correct", "wrong", "unparseable", "timeout", "truncated")
+GRADED_SCHEMA: dict[str, pl.DataType] = {
+    **GENERATION_SCHEMA,
+    "pred": pl.Utf8,             # extracted answer as text, null when nothing could be extracted
+    "status": pl.Utf8,           # one of GRADE_STATUSES
+    "correct": pl.Boolean,
+    "grade_s": pl.Float64,       # time spent grading this row
+}
+
+
+def conform(df: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    """Select and cast `df` to `schema` (column order included); raise naming any missing column."""
+    missing = [c for c in schema if c not in df.columns]
+    if missing:
+        raise ValueError(f"table is missing columns {missing}; expected {list(schema)}")
+    return df.select([pl.col(c).cast(t) for c, t in schema.items()])
+
+
+def write_table(df: pl.DataFrame, path: str | Path, schema: dict[str, pl.DataType]) -> Path:
+    """Write `df` (conformed to `schema`) atomically: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    conform(df, schema).write_parquet(tmp, metadata={"evaldag.schema_version": SCHEMA_VERSION})
+    tmp.replace(path)
+    return path
+
+
+def read_table(path: str | Path, schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    """Read a stage file, checking its schema version and columns."""
+    path = Path(path)
+    meta = pl.read_parquet_metadata(path)
+    version = meta.get("evaldag.schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"{path} has schema version {version!r}, this evaldag reads {SCHEMA_VERSION!r}; "
+                         "re-run the stage that wrote it")
+    return conform(pl.read_parquet(path), schema)

@@ -1,0 +1,709 @@
+"""The local stack: a Prefect server, process work pools `cpu`/`gpu` with their workers, and an MLflow server.
+
+Everything lives under one state directory, `evaldag.paths.home()`:
+
+    <home>/prefect/          PREFECT_HOME of the server and the workers (SQLite DB, result storage)
+    <home>/mlflow/           mlflow.db (SQLite backend store) and artifacts/
+    <home>/logs/<name>.log   stdout+stderr of every component, and deploy.log
+    <home>/stack/state.json  what `up` started: pid + process create time (so a recycled pid is never ours), URLs
+
+`Stack.up()` is idempotent: a component that is alive, ours and configured as asked is left alone; a dead one, or
+one started with another configuration, is (re)started. `Stack.down()` stops workers first, then the servers, and
+kills whole process groups plus every process that carries this stack's `EVALDAG_STACK_ID` (flow runs spawned by a
+worker run in their own sessions, so a process-group kill alone would miss them).
+
+Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5, 5.2):
+- a worker whose SIGINT is inherited as ignored never stops on SIGTERM, so children get SIGINT reset to default;
+- `mlflow server --workers 1` with MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: 2 processes, ~0.5 GB, instead of 15;
+- the worker poll (PREFECT_WORKER_QUERY_SECONDS, default 10 s) dominates run latency, so the local stack uses 2 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+import httpx
+import psutil
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from evaldag import paths
+from evaldag.errors import StackError
+
+PREFECT_SERVER = "prefect-server"
+MLFLOW_SERVER = "mlflow-server"
+CPU_WORKER = "cpu-worker"
+SERVERS = (PREFECT_SERVER, MLFLOW_SERVER)
+POOLS = ("cpu", "gpu")
+STACK_ID_ENV = "EVALDAG_STACK_ID"
+STATE_VERSION = 1
+_CHILDREN: dict[int, subprocess.Popen] = {}  # components started by this process, reaped once they exit
+
+# EVALDAG_* variables that configure the stack itself; every other EVALDAG_* variable is passed to the workers and,
+# when it changes, restarts them (a flow must see the data/models/results folders the user asked for).
+_STACK_ENV = {
+    "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_GPU_WORKERS",
+    "EVALDAG_GPUS", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
+}
+
+
+class StackSettings(BaseModel):
+    """Where and how the local stack runs. `from_env()` reads the EVALDAG_* overrides."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    home: Path = Field(default_factory=paths.home, description="State directory (EVALDAG_HOME, default ~/.evaldag).")
+    host: str = Field("127.0.0.1", description="Interface both servers bind to (EVALDAG_HOST).")
+    prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server port (EVALDAG_PREFECT_PORT).")
+    mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow server port (EVALDAG_MLFLOW_PORT).")
+    gpu_workers: int = Field(
+        1, ge=0, le=64, description="Workers on the `gpu` pool, one shard at a time each (EVALDAG_GPU_WORKERS).")
+    gpus: tuple[str, ...] | None = Field(
+        None, description="GPU ids, one worker each with CUDA_VISIBLE_DEVICES=<id> (EVALDAG_GPUS=0,1). "
+        "None: workers inherit the caller's CUDA_VISIBLE_DEVICES.")
+    cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
+    worker_query_seconds: float = Field(
+        2, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
+    start_timeout_s: float = Field(180, gt=0, description="How long a server or worker may take to become healthy.")
+    stop_timeout_s: float = Field(10, gt=0, description="Grace period per signal (SIGINT, SIGTERM) before SIGKILL.")
+
+    @model_validator(mode="after")
+    def _gpus_match_workers(self) -> StackSettings:
+        if self.gpus is not None and len(self.gpus) != self.gpu_workers:
+            raise ValueError(f"gpus={list(self.gpus)} names {len(self.gpus)} GPUs but "
+                             f"gpu_workers={self.gpu_workers}; one gpu worker runs per GPU")
+        if self.prefect_port == self.mlflow_port:
+            raise ValueError(f"prefect_port and mlflow_port are both {self.prefect_port}")
+        return self
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> StackSettings:
+        """Settings from EVALDAG_* variables; keyword overrides (e.g. from CLI options, None = unset) win."""
+        env = os.environ
+        values: dict[str, Any] = {}
+        for key, var in (("host", "EVALDAG_HOST"), ("prefect_port", "EVALDAG_PREFECT_PORT"),
+                         ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("gpu_workers", "EVALDAG_GPU_WORKERS"),
+                         ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS")):
+            if env.get(var):
+                values[key] = env[var]
+        if env.get("EVALDAG_GPUS"):
+            values["gpus"] = tuple(g.strip() for g in env["EVALDAG_GPUS"].split(",") if g.strip())
+            values.setdefault("gpu_workers", len(values["gpus"]))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "gpus" in overrides and overrides["gpus"] is not None and "gpu_workers" not in overrides:
+            values["gpu_workers"] = len(overrides["gpus"])
+        try:
+            return cls(**values)
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            raise StackError(f"invalid stack settings: {e}") from None
+
+    @property
+    def prefect_url(self) -> str:
+        return f"http://{self.host}:{self.prefect_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"{self.prefect_url}/api"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.host}:{self.mlflow_port}"
+
+
+class ComponentStatus(NamedTuple):
+    """One row of `Stack.status()`."""
+
+    component: str
+    pid: int | None
+    alive: bool
+    healthy: bool
+    url: str | None
+
+
+@dataclass
+class UpReport:
+    """What `Stack.up()` did."""
+
+    started: list[str] = field(default_factory=list)      # components started (or restarted) by this call
+    kept: list[str] = field(default_factory=list)         # components that were already running as asked
+    stopped: list[str] = field(default_factory=list)      # components stopped because they are no longer wanted
+    deployed: bool = False
+    elapsed_s: float = 0.0
+    status: list[ComponentStatus] = field(default_factory=list)
+
+
+@dataclass
+class _Spec:
+    """How one component is started; `key` is what must match for a running component to be kept."""
+
+    name: str
+    kind: str  # "server" or "worker"
+    argv: list[str]
+    env: dict[str, str]           # overrides on top of the caller's environment
+    cwd: Path
+    url: str | None = None
+    port: int | None = None
+    pool: str | None = None
+    key: dict[str, Any] = field(default_factory=dict)
+
+
+def _reset_sigint() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _cli(name: str) -> str:
+    """The `prefect`/`mlflow` executable of this interpreter's environment (never one found on PATH)."""
+    exe = Path(sys.executable).parent / name
+    if not exe.exists():
+        raise StackError(f"`{name}` is not installed next to {sys.executable}; install evaldag's dependencies "
+                         f"into this environment (pip install -e .)")
+    return str(exe)
+
+
+class Stack:
+    """Start, stop and inspect the local stack described by `settings` (default: `StackSettings.from_env()`)."""
+
+    def __init__(self, settings: StackSettings | None = None) -> None:
+        self.settings = settings or StackSettings.from_env()
+        self.home = Path(self.settings.home).expanduser().resolve()
+        self.state_dir = self.home / "stack"
+        self.state_path = self.state_dir / "state.json"
+        self.logs_dir = self.home / "logs"
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def deployments_file(self) -> Path:
+        return paths.REPO_ROOT / "deployments" / "prefect.yaml"
+
+    def up(self, deploy: bool = True) -> UpReport:
+        """Start what is missing, wait until everything is healthy, then deploy (if `deploy`). Idempotent."""
+        t0 = time.monotonic()
+        report = UpReport()
+        with self._lock():
+            state = self._load_state() or self._new_state()
+            specs = self._desired_specs(state["stack_id"])
+            comps: dict[str, dict] = state["components"]
+
+            # 1. Decide: keep what runs as asked, stop what is stale or unwanted, forget what died.
+            to_stop = []
+            for name, rec in list(comps.items()):
+                alive = self._alive(rec)
+                if alive and name in specs and rec.get("key") == specs[name].key:
+                    report.kept.append(name)
+                    continue
+                if alive:
+                    to_stop.append(name)
+                    if name not in specs:
+                        report.stopped.append(name)
+                else:
+                    del comps[name]
+            if to_stop:
+                self._stop(state, to_stop)
+                for name in to_stop:
+                    comps.pop(name, None)
+            to_start = [n for n in specs if n not in comps]
+            started: list[str] = []
+            try:
+                # 2. Ports first, so a busy port fails before anything starts.
+                for name in to_start:
+                    if specs[name].port is not None:
+                        self._check_port_free(specs[name])
+                # 3. Both servers at once (they are independent), then pools, workers, health.
+                for name in SERVERS:
+                    if name in to_start:
+                        comps[name] = self._spawn(specs[name])
+                        started.append(name)
+                        self._save_state(state)
+                self._wait_healthy(state, [PREFECT_SERVER])
+                self._ensure_pools()
+                workers = [n for n in to_start if specs[n].kind == "worker"]
+                for name in workers:
+                    comps[name] = self._spawn(specs[name])
+                    started.append(name)
+                self._save_state(state)
+                self._wait_healthy(state, [MLFLOW_SERVER])
+                self._wait_workers_online(state, workers)  # kept workers are checked by status()
+            except BaseException:
+                # Leave no half-started stack behind: stop what this call started (what ran before stays).
+                with contextlib.suppress(Exception):
+                    self._stop(state, started)
+                for name in started:
+                    comps.pop(name, None)
+                with contextlib.suppress(Exception):
+                    self._save_state(state) if comps else self._remove_state()
+                raise
+            report.started = started
+        if deploy:
+            self.deploy()
+            report.deployed = True
+        report.elapsed_s = time.monotonic() - t0
+        report.status = self.status()
+        return report
+
+    def deploy(self) -> None:
+        """`prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml` against the running server."""
+        state = self._load_state()
+        if not state or not self._alive(state["components"].get(PREFECT_SERVER, {})):
+            raise StackError("the Prefect server of the local stack is not running; start it with `evaldag up`")
+        if not self.deployments_file.exists():
+            raise StackError(f"no deployment manifest at {self.deployments_file}; nothing to deploy "
+                             "(use `evaldag up --no-deploy` to start the stack without deploying)")
+        log = self.logs_dir / "deploy.log"
+        argv = [_cli("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(self.deployments_file)]
+        env = {**os.environ, **self._client_env(state), "PREFECT_HOME": str(self.home / "prefect"),
+               "EVALDAG_REPO": _repo()}
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            out.write(f"$ {shlex.join(argv)}\n".encode())
+            out.flush()
+            try:
+                proc = subprocess.run(argv, cwd=paths.REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT, timeout=600)
+            except subprocess.TimeoutExpired:
+                raise StackError(f"`prefect deploy` took more than 600 s; see {log}:\n{_tail(log)}") from None
+        if proc.returncode != 0:
+            raise StackError(f"`prefect deploy` failed (exit code {proc.returncode}); last lines of {log}:\n"
+                             f"{_tail(log)}")
+
+    def down(self) -> list[str]:
+        """Stop workers, then servers; remove the state file. Returns the components that were running."""
+        with self._lock():
+            state = self._load_state()
+            if not state:
+                return []
+            comps = state["components"]
+            order = sorted(comps, key=lambda n: comps[n]["kind"] != "worker")  # stop order: workers, then servers
+            running = [n for n in order if self._alive(comps[n])]
+            self._stop(state, list(comps))
+            self._sweep(state["stack_id"])
+            self._remove_state()
+            return running
+
+    def status(self) -> list[ComponentStatus]:
+        """One row per recorded component: pid, alive (our process still runs), healthy, URL."""
+        state = self._load_state()
+        if not state:
+            return []
+        rows = []
+        comps = state["components"]
+        online = self._online_workers(state, [n for n in comps if comps[n]["kind"] == "worker"])
+        for name, rec in comps.items():
+            alive = self._alive(rec)
+            if not alive:
+                healthy = False
+            elif rec["kind"] == "server":
+                healthy = self._server_healthy(name, rec["url"])
+            else:
+                healthy = name in online
+            rows.append(ComponentStatus(name, rec.get("pid"), alive, healthy, rec.get("url")))
+        return rows
+
+    def env_lines(self) -> list[str]:
+        """`export` lines that point a shell at this stack (`eval "$(evaldag env)"`)."""
+        state = self._load_state()
+        env = self._client_env(state) if state else {
+            "PREFECT_API_URL": self.settings.prefect_api_url, "MLFLOW_TRACKING_URI": self.settings.mlflow_url,
+            "EVALDAG_HOME": str(self.home)}
+        keys = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "EVALDAG_HOME")
+        return [f"export {k}={shlex.quote(env[k])}" for k in keys]
+
+    @property
+    def prefect_url(self) -> str:
+        """Prefect UI of the running stack (or of the settings when nothing runs)."""
+        state = self._load_state()
+        return state["urls"]["prefect"] if state else self.settings.prefect_url
+
+    @property
+    def mlflow_url(self) -> str:
+        state = self._load_state()
+        return state["urls"]["mlflow"] if state else self.settings.mlflow_url
+
+    # ------------------------------------------------------------------ what to run
+
+    def _client_env(self, state: dict) -> dict[str, str]:
+        return {
+            "PREFECT_API_URL": state["urls"]["prefect"] + "/api",
+            "MLFLOW_TRACKING_URI": state["urls"]["mlflow"],
+            "EVALDAG_HOME": str(self.home),
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+
+    def _desired_specs(self, stack_id: str) -> dict[str, _Spec]:
+        s = self.settings
+        home = self.home
+        prefect_home = home / "prefect"
+        mlflow_dir = home / "mlflow"
+        common = {"EVALDAG_HOME": str(home), STACK_ID_ENV: stack_id, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        repo = {"EVALDAG_REPO": _repo()}  # where flow runs start (the pull step of deployments/prefect.yaml)
+        specs: dict[str, _Spec] = {}
+
+        argv = [_cli("prefect"), "server", "start", "--host", s.host, "--port", str(s.prefect_port)]
+        env = {**common, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
+               "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{prefect_home / 'prefect.db'}"}
+        specs[PREFECT_SERVER] = _Spec(PREFECT_SERVER, "server", argv, env, home, s.prefect_url, s.prefect_port,
+                                      key={"argv": argv, "env": env})
+
+        argv = [_cli("mlflow"), "server",
+                "--backend-store-uri", f"sqlite:///{mlflow_dir / 'mlflow.db'}",
+                "--artifacts-destination", str(mlflow_dir / "artifacts"),
+                "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1"]
+        env = {**common, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        specs[MLFLOW_SERVER] = _Spec(MLFLOW_SERVER, "server", argv, env, home, s.mlflow_url, s.mlflow_port,
+                                     key={"argv": argv, "env": env})
+
+        passthrough = {k: v for k, v in os.environ.items() if k.startswith("EVALDAG_") and k not in _STACK_ENV}
+        worker_env = {**common, **repo, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
+                      "MLFLOW_TRACKING_URI": s.mlflow_url,
+                      "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}"}
+        workers = [(CPU_WORKER, "cpu", s.cpu_worker_limit, None)]
+        workers += [(f"gpu-worker-{i}", "gpu", 1, s.gpus[i] if s.gpus else None) for i in range(s.gpu_workers)]
+        for name, pool, limit, gpu in workers:
+            argv = [_cli("prefect"), "worker", "start", "--pool", pool, "--name", name, "--type", "process",
+                    "--limit", str(limit)]
+            env = dict(worker_env)
+            if gpu is not None:
+                env["CUDA_VISIBLE_DEVICES"] = gpu
+            specs[name] = _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
+                                key={"argv": argv, "env": env, "passthrough": passthrough})
+        return specs
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, spec: _Spec) -> dict:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        spec.cwd.mkdir(parents=True, exist_ok=True)
+        if spec.name == MLFLOW_SERVER:
+            (self.home / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
+        if spec.name == PREFECT_SERVER:
+            (self.home / "prefect").mkdir(parents=True, exist_ok=True)
+        log = self.logs_dir / f"{spec.name}.log"
+        with open(log, "ab") as out:
+            offset = out.tell()
+            out.write(f"\n===== {datetime.now().isoformat(timespec='seconds')} evaldag starts {spec.name}: "
+                      f"{shlex.join(spec.argv)}\n".encode())
+            out.flush()
+            started_at = time.time()
+            proc = subprocess.Popen(spec.argv, cwd=spec.cwd, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_reset_sigint)
+        _CHILDREN[proc.pid] = proc
+        return {
+            "kind": spec.kind, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
+            "argv": spec.argv, "url": spec.url, "port": spec.port, "pool": spec.pool, "key": spec.key,
+            "log": str(log), "log_offset": offset, "started_at": started_at,
+        }
+
+    def _proc(self, rec: dict) -> psutil.Process | None:
+        """The recorded process if it still runs and is the one we started (same pid *and* create time)."""
+        pid = rec.get("pid")
+        if not pid:
+            return None
+        self._reap(pid)
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - rec["create_time"]) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def _alive(self, rec: dict) -> bool:
+        return self._proc(rec) is not None
+
+    def _reap(self, pid: int) -> None:
+        proc = _CHILDREN.get(pid)
+        if proc is not None and proc.poll() is not None:  # collect the exit status: no zombie in this process
+            del _CHILDREN[pid]
+
+    def _stop(self, state: dict, names: list[str]) -> None:
+        """Stop components: workers first (SIGINT, SIGTERM, SIGKILL), then servers (SIGTERM, SIGKILL)."""
+        comps = state["components"]
+        workers = [n for n in names if n in comps and comps[n]["kind"] == "worker"]
+        servers = [n for n in names if n in comps and comps[n]["kind"] != "worker"]
+        for group, signals in ((workers, (signal.SIGINT, signal.SIGTERM)), (servers, (signal.SIGTERM,))):
+            if group:
+                self._terminate([comps[n] for n in group], signals)
+
+    def _terminate(self, recs: list[dict], signals: tuple[int, ...]) -> None:
+        """Signal each component's process group (pgid == pid: each leads its own session), plus descendants that
+        left the group (flow runs run in their own sessions); escalate to SIGKILL; wait until all are gone."""
+        leaders: list[psutil.Process] = []
+        targets: dict[int, psutil.Process] = {}
+        loose: list[psutil.Process] = []
+        for rec in recs:
+            p = self._proc(rec)
+            if p is None:
+                continue
+            leaders.append(p)
+            members = [p, *_group_members(p.pid)]
+            in_group = {q.pid for q in members}
+            loose += [q for q in _safe(p.children, recursive=True) if q.pid not in in_group]
+            targets.update({q.pid: q for q in [*members, *loose]})
+        if not targets:
+            return
+        procs = list(targets.values())
+        for sig in (*signals, signal.SIGKILL):
+            for p in leaders:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, sig)
+            if sig != signal.SIGINT:  # a worker's SIGINT handler stops its own flow runs first
+                for p in loose:
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(sig)
+            procs = self._wait_gone(procs, self.settings.stop_timeout_s if sig != signal.SIGKILL else 10)
+            if not procs:
+                return
+        raise StackError("could not stop pids " + ", ".join(str(p.pid) for p in procs) + " even with SIGKILL")
+
+    def _wait_gone(self, procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in procs:
+                self._reap(p.pid)
+            procs = [p for p in procs if _running(p)]
+            if not procs or time.monotonic() > deadline:
+                return procs
+            time.sleep(0.1)
+
+    def _sweep(self, stack_id: str) -> None:
+        """Kill leftovers of this stack (e.g. flow runs whose worker died earlier), found by their environment."""
+        mine = {os.getpid(), *(p.pid for p in _safe(psutil.Process().parents))}
+        leftovers = []
+        for p in psutil.process_iter():
+            if p.pid in mine:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get(STACK_ID_ENV) == stack_id:
+                    leftovers.append(p)
+        for p in leftovers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self._wait_gone(leftovers, 10)
+
+    # ------------------------------------------------------------------ health
+
+    def _server_healthy(self, name: str, url: str, timeout: float = 2.0) -> bool:
+        try:
+            if name == PREFECT_SERVER:
+                r = httpx.get(f"{url}/api/health", timeout=timeout)
+                return r.status_code == 200 and r.json() is True
+            r = httpx.get(f"{url}/health", timeout=timeout)
+            return r.status_code == 200
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def _wait_healthy(self, state: dict, names: list[str]) -> None:
+        comps = state["components"]
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        for name in names:
+            rec = comps[name]
+            while not self._server_healthy(name, rec["url"]):
+                if not self._alive(rec):
+                    raise StackError(f"{name} exited during start-up; last lines of {rec['log']}:\n"
+                                     f"{_tail(rec['log'], rec.get('log_offset', 0))}")
+                if time.monotonic() > deadline:
+                    raise StackError(f"{name} did not become healthy at {rec['url']} within "
+                                     f"{self.settings.start_timeout_s:g} s; last lines of {rec['log']}:\n"
+                                     f"{_tail(rec['log'], rec.get('log_offset', 0))}")
+                time.sleep(0.25)
+
+    def _ensure_pools(self) -> None:
+        """Create the process work pools `cpu` and `gpu` if missing (with Prefect's default process job template)."""
+        api = self.settings.prefect_api_url
+        with httpx.Client(base_url=api, timeout=30) as client:
+            for pool in POOLS:
+                r = client.get(f"/work_pools/{pool}")
+                if r.status_code == 200:
+                    if r.json().get("type") != "process":
+                        raise StackError(f"work pool {pool!r} exists with type {r.json().get('type')!r}, expected "
+                                         f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
+                    continue
+                from prefect.workers.process import ProcessWorker  # ~1 s import, only when a pool is missing
+
+                r = client.post("/work_pools/", json={
+                    "name": pool, "type": "process",
+                    "base_job_template": ProcessWorker.get_default_base_job_template(),
+                    "description": f"evaldag {'parent flows' if pool == 'cpu' else 'shard flows, one per GPU'}"})
+                if r.status_code not in (200, 201, 409):
+                    raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
+
+    def _online_workers(self, state: dict, names: list[str], since: dict[str, float] | None = None) -> set[str]:
+        """Names of workers the server sees ONLINE (with a heartbeat after `since[name]`, when given)."""
+        comps = state["components"]
+        api = state["urls"]["prefect"] + "/api"
+        online: set[str] = set()
+        try:
+            with httpx.Client(base_url=api, timeout=2) as client:
+                for pool in {comps[n]["pool"] for n in names}:
+                    r = client.post(f"/work_pools/{pool}/workers/filter", json={})
+                    if r.status_code != 200:
+                        continue
+                    for w in r.json():
+                        name = w.get("name")
+                        if name not in names or comps[name]["pool"] != pool or w.get("status") != "ONLINE":
+                            continue
+                        if since is not None:
+                            beat = w.get("last_heartbeat_time")
+                            if not beat or datetime.fromisoformat(beat).timestamp() < since[name]:
+                                continue
+                        online.add(name)
+        except (httpx.HTTPError, ValueError):
+            pass
+        return online
+
+    def _wait_workers_online(self, state: dict, names: list[str]) -> None:
+        comps = state["components"]
+        since = {n: comps[n]["started_at"] for n in names}  # wall clock (create_time can be ~1 s early)
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        pending = set(names)
+        while pending:
+            pending -= self._online_workers(state, sorted(pending), since)
+            for name in sorted(pending):
+                rec = comps[name]
+                if not self._alive(rec):
+                    raise StackError(f"{name} exited during start-up; last lines of {rec['log']}:\n"
+                                     f"{_tail(rec['log'], rec.get('log_offset', 0))}")
+            if pending and time.monotonic() > deadline:
+                name = sorted(pending)[0]
+                raise StackError(f"{name} did not register with the Prefect server within "
+                                 f"{self.settings.start_timeout_s:g} s; last lines of {comps[name]['log']}:\n"
+                                 f"{_tail(comps[name]['log'], comps[name].get('log_offset', 0))}")
+            if pending:
+                time.sleep(0.5)
+
+    def _check_port_free(self, spec: _Spec) -> None:
+        host, port = self.settings.host, spec.port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is not "busy"
+            try:
+                s.bind((host, port))
+                return
+            except OSError as e:
+                err = e
+        holder = _port_holder(port)
+        var, what = (("EVALDAG_PREFECT_PORT", "Prefect server") if spec.name == PREFECT_SERVER
+                     else ("EVALDAG_MLFLOW_PORT", "MLflow server"))
+        raise StackError(
+            f"port {port} on {host}, needed by the {what}, is busy ({err.strerror}): held by "
+            f"{holder or 'a process psutil cannot identify'}. Stop that program, or pick another port, e.g. "
+            f"`export {var}={_free_port(host)}` (then run `evaldag up` again)")
+
+    # ------------------------------------------------------------------ state
+
+    def _new_state(self) -> dict:
+        s = self.settings
+        return {"version": STATE_VERSION, "stack_id": uuid.uuid4().hex, "home": str(self.home),
+                "created_at": time.time(), "urls": {"prefect": s.prefect_url, "mlflow": s.mlflow_url},
+                "components": {}}
+
+    def _load_state(self) -> dict | None:
+        try:
+            state = json.loads(self.state_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise StackError(f"cannot read {self.state_path} ({e}); stop any leftover processes by hand and "
+                             f"delete the file") from None
+        if state.get("version") != STATE_VERSION:
+            raise StackError(f"{self.state_path} has version {state.get('version')}, expected {STATE_VERSION}; "
+                             "stop the stack with the evaldag version that started it")
+        return state
+
+    def _save_state(self, state: dict) -> None:
+        s = self.settings
+        state["urls"] = {"prefect": s.prefect_url, "mlflow": s.mlflow_url}
+        state["settings"] = s.model_dump(mode="json")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_path)
+
+    def _remove_state(self) -> None:
+        self.state_path.unlink(missing_ok=True)
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """One `up`/`down` at a time per home."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _repo() -> str:
+    """The checkout flow runs start in: $EVALDAG_REPO (e.g. a path all workers share), default this repository."""
+    return os.environ.get("EVALDAG_REPO") or str(paths.REPO_ROOT)
+
+
+def _tail(path: str | Path, offset: int = 0, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(empty log)"
+
+
+def _safe(fn: Any, **kwargs: Any) -> list:
+    try:
+        return list(fn(**kwargs))
+    except psutil.Error:
+        return []
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):
+            if p.pid != pgid and os.getpgid(p.pid) == pgid:
+                members.append(p)
+    return members
+
+
+def _port_holder(port: int) -> str | None:
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.Error, OSError):
+        return None
+    for c in conns:
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+            try:
+                p = psutil.Process(c.pid)
+                cmd = shlex.join(p.cmdline())[:160] or p.name()
+                return f"pid {c.pid} ({cmd})"
+            except psutil.Error:
+                return f"pid {c.pid}"
+    return None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,59 @@
+"""eval: resolve -> [generate -> grade] x shards on the gpu pool -> reduce -> track.
+
+Deployed once per benchmark (eval/math500, eval/aime24, ...), so `prefect deployment run eval/math500` evaluates the
+default model on MATH-500; `-p checkpoint=/path -p step=1200 -p limit=20` evaluates a checkpoint or a slice.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from evaldag.plan import DEFAULT_CHECKPOINT, EvalRequest
+from evaldag.report import summary_markdown
+from flows.shard_flow import shard_flow
+from tasks.launch import launch_shard
+from tasks.reduce import reduce_task
+from tasks.resolve import resolve_task
+from tasks.track import track_task
+
+
+@flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True)
+def eval_flow(
+    benchmark: str = "math500",
+    checkpoint: str = DEFAULT_CHECKPOINT,
+    step: int = 0,
+    limit: int | None = None,
+    num_shards: int | None = None,
+    sampling: dict | None = None,
+    dispatch: Literal["deployment", "inline"] = "deployment",
+) -> dict:
+    """Evaluate one checkpoint on one benchmark and log it to MLflow; returns the headline figures.
+
+    dispatch="deployment" runs every shard as a flow run of eval-shard/gpu (the normal path, needs gpu workers);
+    "inline" runs the shards one after another inside this flow run (no workers needed).
+    """
+    request = EvalRequest.parse(benchmark=benchmark, checkpoint=checkpoint, step=step, limit=limit,
+                                num_shards=num_shards, sampling=sampling)
+    plan_path = resolve_task(request)
+    from evaldag.plan import load_plan
+
+    plan = load_plan(plan_path)
+    shards = list(range(plan.num_shards))
+    if dispatch == "deployment":
+        graded = launch_shard.map(plan_path, shards, flow_run.id).result()
+    else:
+        graded = [shard_flow(plan_path, i) for i in shards]
+    metrics = reduce_task(plan_path, graded)
+    run = track_task(plan_path, metrics, flow_run.id)
+    summary = {"eval_key": plan.eval_key, "mlflow_run_id": run.run_id, "mlflow_url": run.url,
+               "new_mlflow_run": run.created, "metrics": metrics}
+    create_markdown_artifact(summary_markdown(plan, metrics, run.url), key=f"eval-{plan.benchmark.name}",
+                             description=f"{plan.resolved_model.name} on {plan.benchmark.name} at step {step}")
+    get_run_logger().info("%s on %s: accuracy %.4f over %d samples; MLflow run %s", plan.resolved_model.name,
+                          plan.benchmark.name, metrics["accuracy"], int(metrics["n_samples"]), run.url or run.run_id)
+    return summary

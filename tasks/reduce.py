@@ -1,0 +1,14 @@
+"""reduce task: merge shard files and compute metrics with polars."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from evaldag.plan import load_plan
+from evaldag.stages import reduce_results
+
+
+@task(name="reduce", retries=0)
+def reduce_task(plan_path: str, graded_paths: list[str]) -> dict:
+    """Check one row per (sample, index), compute metrics; returns them."""
+    return reduce_results(load_plan(plan_path), graded_paths)

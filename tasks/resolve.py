@@ -1,0 +1,17 @@
+"""resolve task: request -> plan.json + inputs.parquet in the result store."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+
+from evaldag.plan import EvalRequest, resolve
+
+
+@task(name="resolve", retries=0)
+def resolve_task(request: EvalRequest) -> str:
+    """Validate the request, resolve model and data, write the plan; returns the plan's path."""
+    plan = resolve(request)
+    get_run_logger().info("eval_key %s: %s on %s, %d problems in %d shards -> %s", plan.eval_key[:12],
+                          plan.resolved_model.name, plan.benchmark.name, plan.n_problems, plan.num_shards,
+                          plan.result_dir)
+    return str(plan.path("plan.json"))

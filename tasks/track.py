@@ -1,0 +1,17 @@
+"""track task: log the evaluation to MLflow (get-or-create by eval_key), retrying while the server is away."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.tasks import exponential_backoff
+
+from evaldag.plan import load_plan
+from evaldag.tracking import TrackedRun, track
+from tasks.retry import retry_transient
+
+
+@task(name="track", retries=4, retry_delay_seconds=exponential_backoff(3), retry_jitter_factor=0.2,
+      retry_condition_fn=retry_transient)
+def track_task(plan_path: str, metrics: dict, flow_run_id: str | None) -> TrackedRun:
+    """Log to MLflow; returns the run (existing one when this evaluation was logged before)."""
+    return track(load_plan(plan_path), metrics, flow_run_id=flow_run_id)

@@ -1,0 +1,295 @@
+"""The local stack against real processes: Prefect server, workers, MLflow server (started once for the module).
+
+Everything runs under a temporary EVALDAG_HOME on free ports, so a stack a developer runs on this machine (other
+home, other ports) is never touched. The fixture always stops what it started, and the last test checks with psutil
+that no process of this stack is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from evaldag.cli import app
+from evaldag.errors import StackError
+from evaldag.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
+
+pytestmark = pytest.mark.stack
+
+GPU_WORKER = "gpu-worker-0"
+ALL = [PREFECT_SERVER, MLFLOW_SERVER, CPU_WORKER, GPU_WORKER]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):  # all open at once, so the ports differ
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _ours(home: Path, ports: list[int] = ()) -> list[psutil.Process]:
+    """Processes whose command line names this test's home (or one of its ports), or whose EVALDAG_HOME is it."""
+    needles = [str(home), *(f"--port {p}" for p in ports), *(f":{p}" for p in ports)]
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        with contextlib.suppress(psutil.Error):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if any(n in cmd for n in needles) or p.environ().get("EVALDAG_HOME") == str(home):
+                found.append(p)
+    return found
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    home = tmp_path_factory.mktemp("evaldag-home").resolve()
+    prefect_port, mlflow_port = _free_ports(2)
+    settings = StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, gpu_workers=1)
+    saved = os.environ.get("EVALDAG_DATA_DIR")
+    os.environ["EVALDAG_DATA_DIR"] = str(home / "data")  # must reach the workers
+    st = Stack(settings)
+    # Start it the way a non-interactive shell would: SIGINT ignored, which children inherit unless the stack resets
+    # it (a worker that ignores SIGINT never stops on SIGTERM; docs/notes/prefect-mlflow.md 1.5).
+    old_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        try:
+            st.first_report = st.up(deploy=False)
+        finally:
+            signal.signal(signal.SIGINT, old_sigint)
+        yield st
+    finally:
+        with contextlib.suppress(Exception):
+            st.down()
+        for p in _ours(home):  # safety net (by home path only): test_down_leaves_nothing is the real check
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if saved is None:
+            os.environ.pop("EVALDAG_DATA_DIR", None)
+        else:
+            os.environ["EVALDAG_DATA_DIR"] = saved
+
+
+def test_settings_from_env_and_gpu_pinning(monkeypatch, tmp_path):
+    monkeypatch.setenv("EVALDAG_HOME", str(tmp_path))
+    monkeypatch.setenv("EVALDAG_PREFECT_PORT", "4999")
+    monkeypatch.setenv("EVALDAG_MLFLOW_PORT", "5999")
+    monkeypatch.setenv("EVALDAG_GPUS", "0,1")
+    s = StackSettings.from_env()
+    assert (s.home, s.prefect_port, s.mlflow_port, s.gpu_workers, s.gpus) == (tmp_path, 4999, 5999, 2, ("0", "1"))
+    assert StackSettings.from_env(gpus=["3"]).gpu_workers == 1
+    specs = Stack(s)._desired_specs("x")
+    assert [specs[f"gpu-worker-{i}"].env["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0", "1"]
+    assert "CUDA_VISIBLE_DEVICES" not in specs[CPU_WORKER].env
+    monkeypatch.delenv("EVALDAG_GPUS")
+    monkeypatch.setenv("EVALDAG_MLFLOW_PORT", "4999")
+    with pytest.raises(StackError, match="both 4999"):
+        StackSettings.from_env()
+
+
+def _pids(st: Stack) -> dict[str, int]:
+    return {row.component: row.pid for row in st.status()}
+
+
+def _cli_env(st: Stack) -> dict[str, str]:
+    s = st.settings
+    return {"EVALDAG_HOME": str(st.home), "EVALDAG_PREFECT_PORT": str(s.prefect_port),
+            "EVALDAG_MLFLOW_PORT": str(s.mlflow_port)}
+
+
+def test_up_starts_servers_pools_and_workers(stack):
+    assert sorted(stack.first_report.started) == sorted(ALL)
+    s = stack.settings
+    assert httpx.get(f"{s.prefect_api_url}/health", timeout=5).json() is True
+    assert httpx.get(f"{s.mlflow_url}/health", timeout=5).status_code == 200
+    for pool in ("cpu", "gpu"):
+        r = httpx.get(f"{s.prefect_api_url}/work_pools/{pool}", timeout=5)
+        assert r.status_code == 200 and r.json()["type"] == "process", r.text
+    workers = httpx.post(f"{s.prefect_api_url}/work_pools/gpu/workers/filter", json={}, timeout=5).json()
+    assert [w["name"] for w in workers if w["status"] == "ONLINE"] == [GPU_WORKER]
+    assert (stack.home / "prefect" / "prefect.db").exists()
+    assert (stack.home / "mlflow" / "mlflow.db").exists()
+    assert (stack.home / "stack" / "state.json").exists()
+
+
+def test_workers_get_env_and_default_sigint(stack):
+    procs = {row.component: psutil.Process(row.pid) for row in stack.status()}
+    for name in (CPU_WORKER, GPU_WORKER):
+        env = procs[name].environ()
+        assert env["PREFECT_API_URL"] == stack.settings.prefect_api_url
+        assert env["MLFLOW_TRACKING_URI"] == stack.settings.mlflow_url
+        assert env["EVALDAG_HOME"] == str(stack.home)
+        assert env["EVALDAG_DATA_DIR"] == str(stack.home / "data")
+        assert env["PREFECT_WORKER_QUERY_SECONDS"] == "2"
+        assert "CUDA_VISIBLE_DEVICES" not in env or env["CUDA_VISIBLE_DEVICES"] == os.environ.get(
+            "CUDA_VISIBLE_DEVICES")
+    for name, p in procs.items():
+        assert os.getpgid(p.pid) == p.pid, f"{name} must lead its own process group"
+    assert procs[MLFLOW_SERVER].environ()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+
+
+def test_second_up_starts_nothing(stack):
+    before = _pids(stack)
+    report = stack.up(deploy=False)
+    assert report.started == []
+    assert sorted(report.kept) == sorted(ALL)
+    assert _pids(stack) == before
+
+
+def test_status_and_cli_status(stack):
+    rows = stack.status()
+    assert [r.component for r in rows] == ALL
+    assert all(r.alive and r.healthy for r in rows), rows
+    urls = {r.component: r.url for r in rows}
+    assert urls[PREFECT_SERVER] == stack.settings.prefect_url
+    assert urls[MLFLOW_SERVER] == stack.settings.mlflow_url
+    result = CliRunner().invoke(app, ["status"], env=_cli_env(stack))
+    assert result.exit_code == 0, result.output
+    assert GPU_WORKER in result.output and stack.settings.prefect_url in result.output
+
+
+def test_env_lines(stack):
+    s = stack.settings
+    expected = [f"export PREFECT_API_URL=http://127.0.0.1:{s.prefect_port}/api",
+                f"export MLFLOW_TRACKING_URI=http://127.0.0.1:{s.mlflow_port}",
+                f"export EVALDAG_HOME={stack.home}"]
+    assert stack.env_lines() == expected
+    result = CliRunner().invoke(app, ["env"], env=_cli_env(stack))
+    assert result.exit_code == 0 and result.output.splitlines() == expected
+
+
+def test_dead_worker_is_restarted(stack):
+    before = _pids(stack)
+    os.killpg(before[GPU_WORKER], signal.SIGKILL)
+    psutil.Process(before[GPU_WORKER]).wait(10)
+    assert {r.component: r.alive for r in stack.status()}[GPU_WORKER] is False
+    report = stack.up(deploy=False)
+    assert report.started == [GPU_WORKER]
+    after = _pids(stack)
+    assert after[GPU_WORKER] != before[GPU_WORKER]
+    assert {k: v for k, v in after.items() if k != GPU_WORKER} == {k: v for k, v in before.items() if k != GPU_WORKER}
+    assert all(r.healthy for r in stack.status())
+
+
+def test_deploy_failure_shows_log_tail(stack, tmp_path, monkeypatch):
+    bad = tmp_path / "prefect.yaml"
+    bad.write_text("deployments:\n  - name: broken\n    entrypoint: no_such_file.py:nothing\n"
+                   "    work_pool: {name: cpu}\n")
+    monkeypatch.setattr(Stack, "deployments_file", property(lambda self: bad))
+    with pytest.raises(StackError, match="prefect deploy` failed") as exc:
+        stack.deploy()
+    assert str(stack.logs_dir / "deploy.log") in str(exc.value)
+    assert "no_such_file" in str(exc.value)
+
+
+def test_busy_port_is_reported_before_anything_starts(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    (mlflow_port,) = _free_ports(1)
+    try:
+        st = Stack(StackSettings(home=tmp_path, prefect_port=port, mlflow_port=mlflow_port))
+        with pytest.raises(StackError) as exc:
+            st.up(deploy=False)
+        msg = str(exc.value)
+        assert f"port {port}" in msg and "EVALDAG_PREFECT_PORT" in msg
+        assert f"pid {os.getpid()}" in msg  # psutil names the holder: this test process
+        assert st.status() == [] and not st.state_path.exists()
+        assert _ours(tmp_path, [port, mlflow_port]) == []
+
+        # The CLI prints the same error as one red line, no traceback, exit code 1.
+        env = {"EVALDAG_HOME": str(tmp_path), "EVALDAG_PREFECT_PORT": str(port),
+               "EVALDAG_MLFLOW_PORT": str(mlflow_port)}
+        result = CliRunner().invoke(app, ["up", "--no-deploy"], env=env)
+        assert result.exit_code == 1
+        assert f"error: port {port}" in result.output and "Traceback" not in result.output
+    finally:
+        holder.close()
+
+
+SLEEPY = """
+import time
+from prefect import flow
+
+@flow(name="sleepy")
+def sleepy(seconds: float = 600):
+    time.sleep(seconds)
+"""
+
+START_RUN = """
+import sys, time
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+
+src = sys.argv[1]
+flow.from_source(source=src, entrypoint="sleepy.py:sleepy").deploy(
+    name="sleepy", work_pool_name="gpu", build=False, push=False, print_next_steps=False, ignore_warnings=True)
+run = run_deployment("sleepy/sleepy", timeout=0)
+with get_client(sync_client=True) as client:
+    deadline = time.monotonic() + 60
+    while not client.read_flow_run(run.id).state.is_running():
+        assert time.monotonic() < deadline, "flow run did not start"
+        time.sleep(0.3)
+"""
+
+
+def _flow_run_processes(stack_id: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if "prefect.engine" in " ".join(p.info["cmdline"] or []) and p.environ().get(STACK_ID_ENV) == stack_id:
+                found.append(p)
+    return found
+
+
+def test_down_leaves_nothing(stack, tmp_path):
+    """A flow run in flight (its own session, not in the worker's process group) is stopped too."""
+    s = stack.settings
+    state = stack._load_state()
+    (tmp_path / "sleepy.py").write_text(SLEEPY)
+    env = {**os.environ, "PREFECT_API_URL": s.prefect_api_url, "PREFECT_HOME": str(tmp_path / "prefect")}
+    subprocess.run([sys.executable, "-c", START_RUN, str(tmp_path)], env=env, check=True, timeout=120,
+                   capture_output=True)
+    runs = _flow_run_processes(state["stack_id"])
+    assert runs and all(os.getsid(p.pid) != os.getsid(stack.status()[2].pid) for p in runs)
+
+    t0 = time.monotonic()
+    stopped = stack.down()
+    took = time.monotonic() - t0
+    assert stopped == [CPU_WORKER, GPU_WORKER, PREFECT_SERVER, MLFLOW_SERVER]
+    assert not stack.state_path.exists()
+    # Graceful: each worker obeyed the first SIGINT (the fixture started them with SIGINT ignored in the parent,
+    # which they would inherit and then ignore) instead of being killed after the grace period.
+    for name in (CPU_WORKER, GPU_WORKER):
+        assert f"Worker '{name}' stopped!" in (stack.logs_dir / f"{name}.log").read_text()
+    assert took < s.stop_timeout_s, f"down took {took:.1f} s"
+    assert _ours(stack.home, [s.prefect_port, s.mlflow_port]) == []
+    leftovers = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(STACK_ID_ENV) == state["stack_id"]:
+                leftovers.append(p)
+    assert leftovers == [] and not any(p.is_running() for p in runs)
+    assert stack.down() == []
+    assert stack.status() == []
+    result = CliRunner().invoke(app, ["down"], env=_cli_env(stack))
+    assert result.exit_code == 0 and "nothing running" in result.output
