@@ -1,0 +1,73 @@
+"""Shared test setup.
+
+Environment is fixed before anything imports prefect: results, caches and Prefect state go to a temporary folder so
+test sessions never see each other's results; the benchmark data comes from ../shared/data; the exported default
+model is shared with `make run` (it is keyed by the GGUF's hash, so sharing it is safe and saves ~20 s).
+The real local stack (Prefect server, cpu/gpu workers, MLflow server) is started once per session, on free ports,
+only when a test asks for it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+_TMP = Path(tempfile.mkdtemp(prefix="evaldag-test-"))
+_REPO = Path(__file__).resolve().parent.parent
+os.environ["EVALDAG_HOME"] = str(_TMP / "home")
+os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
+os.environ.setdefault("EVALDAG_DATA_DIR", str(_REPO.parent / "shared" / "data"))
+os.environ.setdefault("EVALDAG_MODELS_DIR", str(Path.home() / ".evaldag" / "models"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
+    os.environ.pop(var, None)
+
+import pytest  # noqa: E402
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on 127.0.0.1."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture(scope="session")
+def live_stack():
+    """The real local stack with everything in deployments/ deployed; clients in this process point at it."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from evaldag.stack import Stack, StackSettings
+
+    prefect_port, mlflow_port = free_ports(2)
+    stack = Stack(StackSettings(home=_TMP / "stack-home", prefect_port=prefect_port, mlflow_port=mlflow_port))
+    try:
+        stack.up(deploy=True)
+        env = {"PREFECT_API_URL": stack.settings.prefect_api_url, "MLFLOW_TRACKING_URI": stack.mlflow_url,
+               "EVALDAG_HOME": str(stack.home)}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        with temporary_settings(updates={PREFECT_API_URL: stack.settings.prefect_api_url}):
+            yield stack
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    finally:
+        stack.down()
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"

@@ -1,0 +1,157 @@
+"""End to end through the real stack: `prefect deployment run eval/math500` -> cpu worker -> shard flow runs on
+the gpu pool -> real SmolLM2 generations on real MATH-500 rows -> math-verify -> polars -> MLflow server.
+
+Small slices and few new tokens keep the model part to seconds; everything else is the production path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import polars as pl
+import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterName, FlowRunFilter,
+                                            FlowRunFilterParentFlowRunId)
+from prefect.deployments import run_deployment
+
+from evaldag.schema import GRADE_STATUSES
+from evaldag.tracking import experiment_name, load_samples
+
+pytestmark = [pytest.mark.stack, pytest.mark.model]
+
+TINY = {"max_new_tokens": 24}
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+def _shard_runs(parent_id) -> list:
+    """Flow runs of the shard flow started by the parent's launch tasks."""
+    import asyncio
+
+    async def go():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            return runs
+
+    return asyncio.run(go())
+
+
+def _runs_with_key(benchmark: str, eval_key: str) -> list:
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name(benchmark))
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.eval_key = '{eval_key}'")
+
+
+def _run(params: dict, name: str = "eval/math500", timeout: int = 900):
+    return run_deployment(name, parameters=params, timeout=timeout, poll_interval=2)
+
+
+def test_deployment_run_cli_end_to_end(live_stack):
+    """The user's command, as typed: the parent completes, its shards ran on the gpu pool, MLflow has the run."""
+    params = ["-p", "limit=4", "-p", "num_shards=2", "-p", "step=7", "-p", f"sampling={json.dumps(TINY)}"]
+    proc = subprocess.run([PREFECT, "deployment", "run", "eval/math500", *params, "--watch", "--watch-timeout", "900"],
+                          capture_output=True, text=True, timeout=1000)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Completed" in proc.stdout, proc.stdout
+
+    import asyncio
+
+    async def latest_parent():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["math500"])), limit=50)
+            return [r for r in runs if r.parameters.get("step") == 7][0]
+
+    parent = asyncio.run(latest_parent())
+    assert parent.state.is_completed()
+    shards = _shard_runs(parent.id)
+    assert len(shards) == 2 and all(r.state.is_completed() for r in shards)
+    assert {r.work_pool_name for r in shards} == {"gpu"}
+    assert parent.work_pool_name == "cpu"
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.step = '000000000007'")
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["prefect.flow_run_id"] == str(parent.id)
+    assert run.data.metrics["n_samples"] == 4
+    assert 0.0 <= run.data.metrics["accuracy"] <= 1.0
+    rates = sum(run.data.metrics[k] for k in ("rate_correct", "rate_wrong", "rate_unparseable", "rate_timeout",
+                                              "truncation_rate"))
+    assert rates == pytest.approx(1.0)
+    assert run.data.metrics["generation_tokens_per_s"] > 0
+    history = client.get_metric_history(run.info.run_id, "accuracy")
+    assert [m.step for m in history] == [7]
+    assert run.data.params["num_shards"] == "2" and run.data.params["sampling.max_new_tokens"] == "24"
+
+    samples = load_samples(run.info.run_id)
+    assert samples.height == 4 and samples["sample_id"].n_unique() == 4
+    assert set(samples["status"]) <= set(GRADE_STATUSES)
+    assert (samples["completion_tokens"] <= 24).all() and (samples["completion_tokens"] > 0).all()
+    assert samples["completion"].str.len_chars().min() > 0
+    assert set(samples["shard_index"]) == {0, 1}
+    # the first four MATH-500 problems, in dataset order
+    first4 = pl.read_ndjson(Path(os.environ["EVALDAG_DATA_DIR"]) / "math500/test.jsonl").head(4)
+    assert sorted(samples["sample_id"]) == sorted(first4["unique_id"])
+
+
+def test_checkpoint_folder_and_idempotent_tracking(live_stack):
+    """A plain checkpoint folder evaluates at its step; the same request again reuses results and the MLflow run."""
+    from evaldag.models import resolve_model
+
+    folder = resolve_model("smollm2-135m-instruct").path     # the exported default model, as a plain HF folder
+    params = {"checkpoint": folder, "step": 1200, "limit": 2, "num_shards": 1, "sampling": TINY}
+    first = _run(params)
+    assert first.state.is_completed(), first.state.message
+    second = _run(params)
+    assert second.state.is_completed(), second.state.message
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.step = '000000001200'")
+    assert len(runs) == 1, "the same evaluation logged twice must stay one MLflow run"
+    run = runs[0]
+    assert run.data.tags["checkpoint"] == folder
+    assert run.data.tags["prefect.flow_run_id"] == str(first.id)
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "accuracy")] == [1200]
+    # the second evaluation generated nothing: its shard found the first one's generations file and kept it
+    result_dir = Path(json.loads(mlflow.artifacts.load_text(run.info.artifact_uri + "/config/plan.json"))["result_dir"])
+    gens = list((result_dir / "shards").glob("generations-*.parquet"))
+    assert len(gens) == 1
+    second_shard = _shard_runs(second.id)
+    assert len(second_shard) == 1 and second_shard[0].state.is_completed()
+    assert gens[0].stat().st_mtime < second_shard[0].start_time.timestamp()
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"checkpoint": "/nonexistent/ckpt-1"}, "does not exist"),
+    ({"limit": 0}, "limit"),
+    ({"benchmark": "math5000"}, "unknown benchmark 'math5000'"),
+    ({"sampling": {"max_new_token": 5}}, "max_new_token"),
+    ({"sampling": {"n": 4}}, "temperature"),
+], ids=["missing-checkpoint", "limit-zero", "unknown-benchmark", "misspelt-sampling", "n-without-temperature"])
+def test_bad_input_fails_before_generation(live_stack, params, message):
+    """Bad input ends the flow run Failed with a message naming the problem; no shard is started."""
+    fr = _run(params, timeout=300)
+    assert fr.state.is_failed()
+    assert message in fr.state.message, fr.state.message
+    assert _shard_runs(fr.id) == []
+
+
+def test_incomplete_checkpoint_is_refused(live_stack, tmp_path):
+    """A folder with config and weights but no tokenizer (a trainer still writing) is refused by name."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
+    fr = _run({"checkpoint": str(tmp_path), "limit": 1}, timeout=300)
+    assert fr.state.is_failed()
+    assert "has no tokenizer" in fr.state.message, fr.state.message
+    assert _shard_runs(fr.id) == []
