@@ -132,5 +132,40 @@ def env() -> None:
         typer.echo(line)
 
 
+# ------------------------------------------------------------------------ evaluations
+
+
+@app.command("prepare-model")
+def prepare_model(
+    alias: Annotated[str, typer.Argument(help="model alias from configs/models")] = "smollm2-135m-instruct",
+) -> None:
+    """Make a model alias ready to load (the default model is exported once from its GGUF); prints its folder."""
+    from evaldag.models import resolve_model
+
+    model = resolve_model(alias)
+    typer.echo(f"{model.name}: {model.path} (fingerprint {model.fingerprint[:16]})")
+
+
+@app.command()
+def run(
+    benchmark: Annotated[str, typer.Argument(help="benchmark = deployment name under eval/ (math500, aime24, ...)")]
+    = "math500",
+    checkpoint: Annotated[Optional[str], typer.Option(help="model alias or checkpoint folder")] = None,
+    step: Annotated[Optional[int], typer.Option(help="training step of the checkpoint")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N problems")] = None,
+    num_shards: Annotated[Optional[int], typer.Option(help="shard flow runs (default from the benchmark)")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="override the benchmark's token cap")] = None,
+) -> None:
+    """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result."""
+    from evaldag import runner
+    from evaldag.stack import Stack
+
+    stack = Stack()
+    sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
+    params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
+                                    sampling=sampling).items() if v is not None}
+    runner.run_and_report(stack, benchmark, params)
+
+
 if __name__ == "__main__":
     app()

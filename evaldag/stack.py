@@ -368,7 +368,9 @@ class Stack:
         passthrough = {k: v for k, v in os.environ.items() if k.startswith("EVALDAG_") and k not in _STACK_ENV}
         worker_env = {**common, **repo, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
                       "MLFLOW_TRACKING_URI": s.mlflow_url,
-                      "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}"}
+                      "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}",
+                      # progress lines of the core (generation tok/s per batch) reach the Prefect UI too
+                      "PREFECT_LOGGING_EXTRA_LOGGERS": "evaldag"}
         workers = [(CPU_WORKER, "cpu", s.cpu_worker_limit, None)]
         workers += [(f"gpu-worker-{i}", "gpu", 1, s.gpus[i] if s.gpus else None) for i in range(s.gpu_workers)]
         for name, pool, limit, gpu in workers:

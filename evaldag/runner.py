@@ -1,0 +1,89 @@
+"""Start a deployment run on the local stack, follow it with a live status line, and print its result."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from evaldag.errors import EvalDagError, StackError
+from evaldag.stack import Stack
+
+
+def _point_clients_at(stack: Stack) -> None:
+    """Make this process's Prefect and MLflow clients talk to the stack (before prefect is imported)."""
+    unhealthy = [r.component for r in stack.status() if not r.healthy]
+    if not stack.status() or unhealthy:
+        raise StackError(f"the local stack in {stack.home} is not up"
+                         f"{' (unhealthy: ' + ', '.join(unhealthy) + ')' if unhealthy else ''}; "
+                         "start it with `evaldag up`")
+    os.environ["PREFECT_API_URL"] = stack.prefect_url + "/api"
+    os.environ["MLFLOW_TRACKING_URI"] = stack.mlflow_url
+
+
+def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
+    """Run eval/<benchmark> with `params`, wait for it, and print metrics and where to look."""
+    _point_clients_at(stack)
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    name = f"eval/{benchmark}"
+    try:
+        fr = run_deployment(name, parameters=params, timeout=0)
+    except Exception as e:  # prefect raises ObjectNotFound for an unknown deployment
+        raise EvalDagError(f"cannot start {name}: {e}. Deployed benchmarks are eval/math500, eval/aime24, "
+                           "eval/gsm8k, eval/amc23 (run `evaldag up` to redeploy)") from None
+    url = f"{stack.prefect_url}/runs/flow-run/{fr.id}"
+    console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
+    t0 = time.time()
+    with get_client(sync_client=True) as client, console.status("") as status:
+        while True:
+            fr = client.read_flow_run(fr.id)
+            children = client.read_flow_runs(
+                flow_run_filter=_children_filter(fr.id)) if fr.state and fr.state.is_running() else []
+            done = sum(1 for c in children if c.state and c.state.is_completed())
+            status.update(f"{name}: {fr.state.name if fr.state else 'Pending'}; shards done {done}/{len(children)}; "
+                          f"{time.time() - t0:.0f} s")
+            if fr.state and fr.state.is_final():
+                break
+            time.sleep(3)
+    if not fr.state.is_completed():
+        raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
+    _print_result(console, benchmark, str(fr.id), time.time() - t0, stack)
+
+
+def _children_filter(parent_id):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    return FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
+
+
+def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stack: Stack) -> None:
+    from mlflow import MlflowClient
+    from rich.table import Table
+
+    from evaldag.tracking import experiment_name
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name(benchmark))
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    if not runs:  # the evaluation existed already: its MLflow run carries the flow run id of the first one
+        console.print(f"completed in {wall_s:.0f} s; the evaluation was already logged, see {stack.mlflow_url}")
+        return
+    run = runs[0]
+    m = run.data.metrics
+    table = Table(title=f"{run.data.tags.get('model')} on {benchmark} (step {int(m.get('step', 0))})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, fmt in [("accuracy", "{:.2%}"), ("n_samples", "{:.0f}"), ("rate_correct", "{:.2%}"),
+                     ("rate_wrong", "{:.2%}"), ("rate_unparseable", "{:.2%}"), ("rate_timeout", "{:.2%}"),
+                     ("truncation_rate", "{:.2%}"), ("mean_completion_tokens", "{:.1f}"),
+                     ("generation_tokens_per_s", "{:.1f}"), ("generation_s", "{:.1f}"), ("grading_s", "{:.1f}"),
+                     ("shard_peak_rss_mb", "{:.0f}")]:
+        if key in m:
+            table.add_row(key, fmt.format(m[key]))
+    console.print(table)
+    console.print(f"completed in {wall_s:.0f} s")
+    console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
+    console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
