@@ -155,3 +155,19 @@ def test_incomplete_checkpoint_is_refused(live_stack, tmp_path):
     assert fr.state.is_failed()
     assert "has no tokenizer" in fr.state.message, fr.state.message
     assert _shard_runs(fr.id) == []
+
+
+def test_evaldag_run_cli_follows_and_reports(live_stack):
+    """`evaldag run` (what `make run` calls) starts the deployment, waits, and prints metrics and both UI links."""
+    evaldag = str(Path(sys.executable).with_name("evaldag"))
+    proc = subprocess.run([evaldag, "run", "math500", "--limit", "2", "--num-shards", "1", "--step", "3",
+                           "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "accuracy" in out and "n_samples" in out
+    assert f"Prefect UI: {live_stack.prefect_url}/runs/flow-run/" in out
+    assert f"MLflow UI:  {live_stack.mlflow_url}/#/experiments/" in out
+
+    bad = subprocess.run([evaldag, "run", "math5000"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1
+    assert "cannot start eval/math5000" in bad.stderr and "Traceback" not in bad.stderr

@@ -21,6 +21,7 @@ import psutil
 import pytest
 from typer.testing import CliRunner
 
+from conftest import free_ports
 from evaldag.cli import app
 from evaldag.errors import StackError
 from evaldag.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
@@ -29,19 +30,6 @@ pytestmark = pytest.mark.stack
 
 GPU_WORKER = "gpu-worker-0"
 ALL = [PREFECT_SERVER, MLFLOW_SERVER, CPU_WORKER, GPU_WORKER]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):  # all open at once, so the ports differ
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _ours(home: Path, ports: list[int] = ()) -> list[psutil.Process]:
@@ -61,7 +49,7 @@ def _ours(home: Path, ports: list[int] = ()) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("evaldag-home").resolve()
-    prefect_port, mlflow_port = _free_ports(2)
+    prefect_port, mlflow_port = free_ports(2)
     settings = StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, gpu_workers=1)
     saved = os.environ.get("EVALDAG_DATA_DIR")
     os.environ["EVALDAG_DATA_DIR"] = str(home / "data")  # must reach the workers
@@ -204,7 +192,7 @@ def test_busy_port_is_reported_before_anything_starts(tmp_path):
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     port = holder.getsockname()[1]
-    (mlflow_port,) = _free_ports(1)
+    (mlflow_port,) = free_ports(1)
     try:
         st = Stack(StackSettings(home=tmp_path, prefect_port=port, mlflow_port=mlflow_port))
         with pytest.raises(StackError) as exc:

@@ -1,0 +1,217 @@
+"""Checkpoints announced by trainers: parse their step from the folder name, validate events, find them on disk.
+
+An `evaldag.checkpoint.saved` event (sent by `evaldag.trainer.CheckpointNotifier`) is untrusted input: anyone who can
+POST to the Prefect API can send one. `validate_checkpoint_event` therefore checks the payload's types strictly and
+only accepts a checkpoint folder that lies, after resolving symlinks, under a root the operator allowed
+(`EVALDAG_CHECKPOINT_ROOTS`), and that is complete on disk.
+
+The trainer side (evaldag/trainer.py) does not import this module: it must run without pydantic.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path, PurePath
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from evaldag.errors import CheckpointError
+from evaldag.models import validate_checkpoint
+
+log = logging.getLogger("evaldag.checkpoints")
+
+ROOTS_ENV = "EVALDAG_CHECKPOINT_ROOTS"
+# Kept equal to evaldag.trainer.TRAIN_RUN_PATTERN: the run name ends up in a folder name and a Prefect resource id.
+TRAIN_RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+# Folder-name layouts whose training step parse_step recognizes (whole name, case-insensitive), with examples:
+STEP_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.IGNORECASE), ex) for p, ex in (
+    (r"checkpoint[-_](\d+)", "checkpoint-1200 (Hugging Face Trainer), checkpoint_1200"),
+    (r"global[-_]?step[-_]?(\d+)", "global_step_1200, global_step1200 (DeepSpeed), globalstep1200"),
+    (r"step[-_]?(\d+)", "step_1200, step-1200, step1200"),
+    (r"ckpt[-_](\d+)", "ckpt_1200, ckpt-1200"),
+    (r"iter[-_](\d+)", "iter_0001200 (Megatron)"),
+    (r"epoch[-_=]?\d+[-_]?epochstep[-_=]?\d+[-_]?globalstep[-_=]?(\d+)",
+     "epoch1epochstep5globalstep1200 (the global step, 1200)"),
+    (r"epoch=\d+-step=(\d+)", "epoch=1-step=1200 (Lightning; its step is the global step)"),
+))
+
+
+def parse_step(name: str) -> int | None:
+    """The training step in a checkpoint folder name, or None when the name follows none of STEP_PATTERNS.
+
+    The whole name must match, so `tmp-checkpoint-1200` (the Trainer's folder while it is still writing),
+    `checkpoint-best` or `step_1200_old` give None.
+    """
+    for pattern, _ in STEP_PATTERNS:
+        if m := pattern.fullmatch(name):
+            return int(m.group(1))
+    return None
+
+
+class CheckpointEvent(BaseModel):
+    """The payload of an `evaldag.checkpoint.saved` event.
+
+    Types are strict (a step of "12" or True is refused, not coerced); unknown keys are ignored, so payloads from a
+    newer trainer with more fields still validate.
+    """
+
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+    path: str = Field(min_length=1, description="absolute checkpoint folder")
+    step: int = Field(ge=0, description="training step: the x axis of the MLflow metrics")
+    epoch: int | None = Field(None, ge=0)
+    train_run: str = Field(pattern=TRAIN_RUN_PATTERN, description="name of the training run")
+    benchmarks: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")]] | None = Field(
+        None, min_length=1, description="benchmark names (configs/benchmarks/<name>.yaml); None = the default")
+    model: str | None = Field(None, min_length=1)
+    mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+def _describe(err: ValidationError) -> str:
+    missing = [".".join(str(x) for x in e["loc"]) for e in err.errors() if e["type"] == "missing"]
+    parts = [f"missing required field(s) {', '.join(repr(m) for m in missing)}"] if missing else []
+    for e in err.errors():
+        if e["type"] == "missing":
+            continue
+        loc = ".".join(str(x) for x in e["loc"]) or "(payload)"
+        got = e.get("input")
+        parts.append(f"{loc}: {e['msg']} (got {type(got).__name__} {got!r:.80})")
+    return "; ".join(parts)
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(os.path.expanduser(os.fspath(path))))
+
+
+def allowed_roots_from_env() -> list[Path]:
+    """The folders checkpoints may live under, from `EVALDAG_CHECKPOINT_ROOTS` (os.pathsep-separated).
+
+    Unset or empty gives [], with which validate_checkpoint_event refuses every path. Entries must be absolute.
+    """
+    roots = []
+    for entry in os.environ.get(ROOTS_ENV, "").split(os.pathsep):
+        entry = entry.strip()
+        if not entry:
+            continue
+        path = Path(entry).expanduser()
+        if not path.is_absolute():
+            raise CheckpointError(f"{ROOTS_ENV} entry {entry!r} is not an absolute path; list absolute folders "
+                                  f"separated by {os.pathsep!r}, e.g. /ckpts{os.pathsep}/scratch/ckpts")
+        roots.append(path)
+    return roots
+
+
+def _check_marker(marker: str | None) -> None:
+    if marker is not None and (not marker or os.path.isabs(marker) or ".." in PurePath(marker).parts):
+        raise CheckpointError(f"marker must be a file name relative to the checkpoint folder (e.g. 'COMPLETE'), "
+                              f"got {marker!r}")
+
+
+def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
+                              marker: str | None = None) -> CheckpointEvent:
+    """Validate an event payload and its checkpoint folder; returns the event with `path` resolved (realpath).
+
+    Raises CheckpointError naming the problem: not a mapping, missing or mistyped fields, a relative path or one
+    with `..` components, a folder that (after resolving symlinks) is not under one of `allowed_roots`, a missing
+    or incomplete folder (evaldag.models.validate_checkpoint), or, when `marker` is given, a folder without that
+    marker file (the trainer writes it last, once the checkpoint is complete). The returned path is the resolved
+    one, so the evaluation reads exactly the folder that was checked.
+    """
+    if not isinstance(payload, Mapping):
+        raise CheckpointError(f"checkpoint event payload must be a mapping with path, step and train_run, got "
+                              f"{type(payload).__name__}; is the trigger passing '{{{{ event.payload }}}}'?")
+    try:
+        event = CheckpointEvent.model_validate(dict(payload))
+    except ValidationError as e:
+        raise CheckpointError(f"invalid checkpoint event payload: {_describe(e)}") from None
+    raw = event.path
+    where = f"checkpoint event (train_run={event.train_run}, step={event.step})"
+    if "\0" in raw:
+        raise CheckpointError(f"{where}: path contains a NUL character")
+    if not os.path.isabs(raw):
+        raise CheckpointError(f"{where}: path {raw!r} is not absolute; send the absolute checkpoint folder "
+                              "(CheckpointNotifier.notify does this)")
+    # Checked on the raw string: after normalisation `..` would be gone and the intent to escape hidden.
+    if ".." in PurePath(raw).parts:
+        raise CheckpointError(f"{where}: path {raw!r} contains '..' components; send the plain absolute folder")
+    _check_marker(marker)
+    if not allowed_roots:
+        raise CheckpointError(f"{where}: no checkpoint roots are allowed, so {raw} is refused; set {ROOTS_ENV} "
+                              f"to the folder(s) trainers write checkpoints under ({os.pathsep!r}-separated)")
+    real = _real(raw)                  # symlinks resolved: a link inside a root cannot point outside it
+    roots = [_real(r) for r in allowed_roots]
+    if not any(real.is_relative_to(r) for r in roots):
+        via = f" (it resolves to {real})" if str(real) != raw else ""
+        raise CheckpointError(f"{where}: {raw}{via} is not under an allowed checkpoint root "
+                              f"({', '.join(str(r) for r in roots)}); add its root to {ROOTS_ENV}")
+    if not real.exists():
+        raise CheckpointError(f"{where}: checkpoint folder {raw} does not exist")
+    if marker is not None and not (real / marker).is_file():
+        raise CheckpointError(f"{where}: {raw} has no {marker} marker; the trainer writes it once the checkpoint "
+                              "is complete, so it is still being written (or the trainer does not write markers)")
+    try:
+        validate_checkpoint(real)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return event.model_copy(update={"path": str(real)})
+
+
+def _complete(folder: Path, marker: str | None) -> str | None:
+    """None when `folder` is a complete checkpoint, else why not."""
+    if marker is not None and not (folder / marker).is_file():
+        return f"no {marker} marker"
+    try:
+        validate_checkpoint(folder)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root` as (step, folder), sorted by step (then path).
+
+    Looks at the folders directly under `root` (`<root>/checkpoint-1200`) and, for those whose name is not a
+    checkpoint name, one level deeper (`<root>/<run>/checkpoint-1200`). A folder counts when parse_step reads a
+    step from its name and it is complete (evaldag.models.validate_checkpoint, plus `marker` when given).
+    Incomplete ones are skipped and logged at INFO with the reason; hidden folders (`.name`) and entries whose
+    real path lies outside `root` (symlinks) are ignored.
+    """
+    _check_marker(marker)
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint root {root} does not exist or is not a folder")
+    real_root = _real(root)
+    found: list[tuple[int, Path]] = []
+
+    def visit(folder: Path, depth: int) -> None:
+        for child in sorted(folder.iterdir()):
+            if child.name.startswith(".") or not child.is_dir():
+                continue
+            if not _real(child).is_relative_to(real_root):
+                log.info("skipping %s: it resolves outside %s", child, root)
+                continue
+            step = parse_step(child.name)
+            if step is None:
+                if depth == 0:
+                    visit(child, 1)
+                else:
+                    log.debug("skipping %s: no step in its name", child)
+                continue
+            why = _complete(child, marker)
+            if why is None:
+                found.append((step, child))
+            else:
+                log.info("skipping incomplete checkpoint %s: %s", child, why)
+
+    visit(root, 0)
+    return sorted(found, key=lambda sp: (sp[0], str(sp[1])))
+
+
+__all__ = ["CheckpointEvent", "STEP_PATTERNS", "ROOTS_ENV", "TRAIN_RUN_PATTERN", "parse_step",
+           "validate_checkpoint_event", "discover_checkpoints", "allowed_roots_from_env"]

@@ -1,0 +1,275 @@
+"""Diagnostics: statistical checks that say when a number should not be trusted, or needs a look.
+
+Each check returns a `Diagnostic`: whether it fired, an explanation with the numbers behind it, the action to
+take, and the raw details. Every check is a significance test at a stated `alpha`, so on pure noise it fires at
+rate about alpha (or less: the tests are chosen conservative, never liberal), and a fired diagnostic means
+"this is larger than sampling noise explains", not "this looks different".
+
+- `shard_disagreement`: do the shards of one evaluation disagree on accuracy beyond chance?
+- `reward_fluctuation`: does the reward jump between consecutive checkpoints beyond sampling noise?
+- `accuracy_reward_divergence`: do accuracy and reward trend in opposite directions over a training job?
+
+scipy (for the chi-square and t distributions) is imported on first use.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """The outcome of one check."""
+
+    name: str
+    fired: bool
+    explanation: str
+    action: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_alpha(alpha: float) -> None:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
+
+
+def _require(df: pl.DataFrame, cols: list[str], what: str) -> None:
+    missing = [c for c in cols if c not in df.columns]
+    if missing:
+        raise ValueError(f"{what} needs columns {missing}; the table has {df.columns}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shards
+# --------------------------------------------------------------------------------------------------------------
+
+def _design_effect(graded: pl.DataFrame) -> float:
+    """How much the samples of one problem share (>= 1): the variance of a shard's accuracy over its binomial one.
+
+    With n samples per problem, a shard's accuracy varies with its problems' difficulty as well as with sampling,
+    so a plain chi-square on samples would fire on problem mix alone. Cluster-robust (per problem within shard)
+    variance over binomial variance, pooled over shards, is the first-order Rao-Scott correction of the
+    statistic. One sample per problem gives exactly 1. Floored at 1: never more liberal than the plain test.
+    """
+    clusters = (graded.group_by("shard_index", "sample_id")
+                .agg(n=pl.len(), y=pl.col("correct").cast(pl.Float64).mean())
+                .with_columns(ybar=((pl.col("n") * pl.col("y")).sum() / pl.col("n").sum()).over("shard_index")))
+    row = clusters.select(
+        num=(pl.col("n").pow(2) * (pl.col("y") - pl.col("ybar")).pow(2)).sum(),
+        den=(pl.col("n") * pl.col("ybar") * (1 - pl.col("ybar"))).sum(),
+    ).row(0, named=True)
+    if not row["den"]:
+        return 1.0
+    return max(1.0, row["num"] / row["den"])
+
+
+def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: int | None = None) -> Diagnostic:
+    """Chi-square test of homogeneity of accuracy across shards (shards x {correct, not correct}).
+
+    The statistic is divided by the design effect of samples clustered in problems (see `_design_effect`), then
+    compared with chi-square(shards - 1). Fires when p < alpha. All-correct or all-wrong tables have nothing to
+    compare (p = 1, quiet). With `num_shards`, shards that have no samples are named in the explanation; they are
+    left out of the test (a missing shard is `evaldag.metrics.check_complete`'s error, not a disagreement).
+    """
+    _check_alpha(alpha)
+    _require(graded, ["shard_index", "sample_id", "correct"], "shard_disagreement")
+    name = "shard_disagreement"
+    action = ("Compare the outlying shards' settings and logs (worker, engine, dtype, batch size, checkpoint "
+              "fingerprint) and their truncation/unparseable rates; re-run the shard if it differs.")
+    by = (graded.group_by("shard_index")
+          .agg(n=pl.len(), correct=pl.col("correct").fill_null(False).sum())
+          .sort("shard_index")
+          .with_columns(accuracy=pl.col("correct") / pl.col("n")))
+    present = by["shard_index"].to_list()
+    empty = sorted(set(range(num_shards)) - set(present)) if num_shards else []
+    details: dict[str, Any] = {
+        "alpha": alpha, "n_shards": len(present), "empty_shards": empty,
+        "accuracy_by_shard": dict(zip(present, by["accuracy"].to_list())),
+        "n_by_shard": dict(zip(present, by["n"].to_list())),
+    }
+    note = f" Shards {empty} have no samples and were left out of the test." if empty else ""
+    total, correct = int(by["n"].sum()), int(by["correct"].sum())
+    if len(present) < 2:
+        details["p_value"] = 1.0
+        return Diagnostic(name, False, f"Only {len(present)} shard with samples: nothing to compare.{note}",
+                          action, details)
+    if correct in (0, total):
+        details["p_value"] = 1.0
+        return Diagnostic(name, False, f"Every sample is {'correct' if correct else 'wrong'}: the shards cannot "
+                          f"disagree.{note}", action, details)
+
+    from scipy.stats import chi2, chi2_contingency
+
+    table = np.column_stack([by["correct"].to_numpy(), (by["n"] - by["correct"]).to_numpy()])
+    stat, p_iid, dof, expected = chi2_contingency(table, correction=False)
+    deff = _design_effect(graded)
+    p = float(chi2.sf(stat / deff, dof))
+    details.update(chi2=float(stat), dof=int(dof), design_effect=deff, p_value=p, p_value_iid=float(p_iid),
+                   min_expected=float(expected.min()))
+    small = (" Some expected counts are below 5, so the chi-square p-value is approximate."
+             if expected.min() < 5 else "")
+    accs = ", ".join(f"{s}: {a:.3f} (n={n})" for s, a, n in by.select("shard_index", "accuracy", "n").iter_rows())
+    if p < alpha:
+        lo, hi = by.row(by["accuracy"].arg_min(), named=True), by.row(by["accuracy"].arg_max(), named=True)
+        text = (f"Shard accuracies differ more than chance allows: chi-square p = {p:.2g} < alpha = {alpha} "
+                f"(design effect {deff:.2f}); lowest shard {lo['shard_index']} at {lo['accuracy']:.3f}, highest "
+                f"shard {hi['shard_index']} at {hi['accuracy']:.3f}. By shard: {accs}.{small}{note}")
+        return Diagnostic(name, True, text, action, details)
+    text = (f"Shard accuracies agree within chance: chi-square p = {p:.2g} >= alpha = {alpha} "
+            f"(design effect {deff:.2f}). By shard: {accs}.{small}{note}")
+    return Diagnostic(name, False, text, "None.", details)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training history
+# --------------------------------------------------------------------------------------------------------------
+
+def _history(history: pl.DataFrame, cols: list[str], what: str, min_rows: int) -> pl.DataFrame:
+    _require(history, ["step", *cols], what)
+    if history.height < min_rows:
+        raise ValueError(f"{what} needs at least {min_rows} checkpoints, got {history.height}")
+    dup = history.filter(pl.col("step").is_duplicated())["step"].unique().sort().to_list()
+    if dup:
+        raise ValueError(f"{what}: steps {dup} appear more than once; one row per checkpoint")
+    return history.sort("step")
+
+
+def _standard_error(history: pl.DataFrame, metric: str) -> np.ndarray | None:
+    """The standard error of `metric` per checkpoint: `<metric>_se`, else std / sqrt(n_samples) for the reward and
+    sqrt(a(1-a)/n_samples) for accuracy; None when the table has neither."""
+    prefix = metric.removesuffix("_mean")
+    if f"{prefix}_se" in history.columns:
+        return history[f"{prefix}_se"].cast(pl.Float64).to_numpy()
+    if "n_samples" not in history.columns:
+        return None
+    n = history["n_samples"].cast(pl.Float64).to_numpy()
+    if f"{prefix}_std" in history.columns:
+        return history[f"{prefix}_std"].cast(pl.Float64).to_numpy() / np.sqrt(n)
+    if metric == "accuracy":
+        a = history["accuracy"].cast(pl.Float64).to_numpy()
+        return np.sqrt(a * (1 - a) / n)
+    return None
+
+
+def reward_fluctuation(history: pl.DataFrame, alpha: float = 0.01, bonferroni: bool = True) -> Diagnostic:
+    """Fires when the reward changes between consecutive checkpoints by more than sampling noise explains.
+
+    `history`: one row per checkpoint with step, reward_mean and reward_se (or reward_std and n_samples). A jump
+    is significant when |delta| > z * sqrt(se1^2 + se2^2), z the two-sided normal quantile of alpha, divided by
+    the number of jumps when `bonferroni` (so a long job is not bound to fire on noise somewhere).
+    """
+    _check_alpha(alpha)
+    name = "reward_fluctuation"
+    h = _history(history, ["reward_mean"], name, 2)
+    se = _standard_error(h, "reward_mean")
+    if se is None:
+        raise ValueError(f"{name} needs reward_se, or reward_std and n_samples, per checkpoint")
+    steps, mean = h["step"].to_list(), h["reward_mean"].cast(pl.Float64).to_numpy()
+    delta = np.diff(mean)
+    se_delta = np.sqrt(se[1:] ** 2 + se[:-1] ** 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(delta == 0, 0.0, np.abs(delta) / se_delta)   # se 0 with a real change: infinitely significant
+    level = alpha / len(delta) if bonferroni else alpha
+    z_crit = NormalDist().inv_cdf(1 - level / 2)
+    jumps = [{"step_from": steps[i], "step_to": steps[i + 1], "delta": float(delta[i]), "z": float(z[i])}
+             for i in range(len(delta))]
+    big = sorted((j for j in jumps if j["z"] > z_crit), key=lambda j: -j["z"])
+    details = {"alpha": alpha, "bonferroni": bonferroni, "z_critical": z_crit, "jumps": jumps,
+               "max_z": float(z.max())}
+    if big:
+        listed = "; ".join(f"step {j['step_from']} -> {j['step_to']}: {j['delta']:+.4g} ({j['z']:.1f} SE)"
+                           for j in big[:3])
+        text = (f"{len(big)} of {len(jumps)} checkpoint-to-checkpoint reward changes exceed sampling noise "
+                f"(|delta| > {z_crit:.2f} standard errors of the difference): {listed}.")
+        action = ("Inspect the samples of the checkpoints around the largest jump: a drop suggests training "
+                  "instability (learning rate, a bad data batch, reward hacking); a rise is a real improvement.")
+        return Diagnostic(name, True, text, action, details)
+    text = (f"All {len(jumps)} reward changes between consecutive checkpoints are within sampling noise "
+            f"(largest {z.max():.1f} SE, threshold {z_crit:.2f}).")
+    return Diagnostic(name, False, text, "None.", details)
+
+
+def _trend(step: np.ndarray, y: np.ndarray, se: np.ndarray | None) -> tuple[float, float, float]:
+    """Slope over step, its standard error and two-sided p-value: a weighted least-squares line (weights 1/se^2).
+
+    With known errors, the slope's error is scaled up by sqrt(reduced chi^2) when the points scatter more than
+    their errors say (a curve, or underestimated errors); without them, it comes from the residuals alone.
+    Either way the p-value uses a t distribution with m - 2 degrees of freedom: conservative for few checkpoints.
+    """
+    from scipy.stats import t as student_t
+
+    m = len(step)
+    known = se is not None and bool(np.all(se > 0))   # a zero or missing error cannot weight a point
+    w = 1.0 / se ** 2 if known else np.ones(m)
+    xw = np.sum(w * step) / np.sum(w)
+    yw = np.sum(w * y) / np.sum(w)
+    sxx = np.sum(w * (step - xw) ** 2)
+    slope = float(np.sum(w * (step - xw) * (y - yw)) / sxx)
+    resid = y - (yw + slope * (step - xw))
+    chi2_red = float(np.sum(w * resid ** 2) / (m - 2))
+    scale = max(1.0, chi2_red) if known else chi2_red
+    slope_se = math.sqrt(scale / sxx)
+    if slope == 0.0:
+        return slope, slope_se, 1.0
+    if slope_se == 0.0:
+        return slope, slope_se, 0.0
+    return slope, slope_se, float(2 * student_t.sf(abs(slope) / slope_se, m - 2))
+
+
+def accuracy_reward_divergence(history: pl.DataFrame, alpha: float = 0.01) -> Diagnostic:
+    """Fires when accuracy and reward both trend significantly over the job, in opposite directions.
+
+    `history`: one row per checkpoint with step, accuracy, reward_mean, and optionally accuracy_se / reward_se
+    (or n_samples, with reward_std). Each trend is a weighted least-squares slope over step (`_trend`), tested
+    at alpha; a rise in one and a fall in the other, both significant, usually means the reward no longer
+    measures what accuracy does (reward hacking, a format or length term dominating).
+    """
+    _check_alpha(alpha)
+    name = "accuracy_reward_divergence"
+    h = _history(history, ["accuracy", "reward_mean"], name, 3)
+    step = h["step"].cast(pl.Float64).to_numpy()
+    fits = {metric: _trend(step, h[metric].cast(pl.Float64).to_numpy(), _standard_error(h, metric))
+            for metric in ("accuracy", "reward_mean")}
+    details: dict[str, Any] = {"alpha": alpha, "n_checkpoints": h.height}
+    for metric, (slope, slope_se, p) in fits.items():
+        details.update({f"{metric}_slope": slope, f"{metric}_slope_se": slope_se, f"{metric}_p_value": p})
+    (a_slope, _, a_p), (r_slope, _, r_p) = fits["accuracy"], fits["reward_mean"]
+    per_1k = (f"accuracy {a_slope * 1000:+.3g} (p = {a_p:.2g}), reward {r_slope * 1000:+.3g} (p = {r_p:.2g}) "
+              "per 1000 steps")
+    span = f"steps {h['step'][0]}..{h['step'][-1]}"
+    if a_p < alpha and r_p < alpha and (a_slope > 0) != (r_slope > 0):
+        text = (f"Accuracy and reward trend in opposite directions over {span}, both significant at "
+                f"alpha = {alpha}: {per_1k}.")
+        action = ("Check which reward component moves (reward/<name>/mean): a format or length term can rise "
+                  "while correctness falls. Read samples from the first and last checkpoints.")
+        return Diagnostic(name, True, text, action, details)
+    text = f"No significant opposite trends over {span}: {per_1k}."
+    return Diagnostic(name, False, text, "None.", details)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rendering
+# --------------------------------------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(diags: list[Diagnostic]) -> str:
+    """A markdown table (diagnostic, status, explanation, action), fired ones first."""
+    lines = ["| diagnostic | status | explanation | action |", "|---|---|---|---|"]
+    for d in sorted(diags, key=lambda d: not d.fired):
+        status = "**fired**" if d.fired else "ok"
+        lines.append(f"| {_cell(d.name)} | {status} | {_cell(d.explanation)} | {_cell(d.action)} |")
+    return "\n".join(lines) + "\n"
+
+
+def to_tags(diags: list[Diagnostic]) -> dict[str, str]:
+    """MLflow tags: {"diagnostic.<name>": "fired" | "ok"}."""
+    return {f"diagnostic.{d.name}": "fired" if d.fired else "ok" for d in diags}
