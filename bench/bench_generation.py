@@ -1,7 +1,9 @@
 """Generation throughput of the transformers engine by batch size, on the same MATH-500 prompts in one process.
 
-Prints tokens/s per batch size and the ratio against batch size 1 (the baseline measured in the same run).
-Usage: .venv/bin/python bench/bench_generation.py [--prompts 16] [--max-new-tokens 64] [--batch-sizes 1,8,16]
+Prints tokens/s per (batch size, KV cache) and the ratio against the first configuration (the baseline, measured
+in the same run). Usage:
+  .venv/bin/python bench/bench_generation.py [--prompts 32] [--max-new-tokens 128] [--batch-sizes 1,32]
+                                             [--caches dynamic,static]
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ os.environ.setdefault("EVALDAG_DATA_DIR", str(Path(__file__).resolve().parents[2
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--batch-sizes", default="1,8,16")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", default="32")
+    ap.add_argument("--caches", default="dynamic,static")
     args = ap.parse_args()
 
     from evaldag.config import SamplingConfig, load_benchmark
@@ -31,20 +34,24 @@ def main() -> None:
     model = resolve_model("smollm2-135m-instruct")
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
     rows = []
+    from evaldag.engines.hf import HFEngine
+
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
-        engine = load_engine("hf", model.path, model.dtype, batch_size=bs)
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, sampling)
-        wall = time.perf_counter() - t0
-        tokens = sum(c.completion_tokens for comps in out for c in comps)
-        rows.append((bs, wall, tokens, tokens / wall))
-        engine.close()
+        for cache in args.caches.split(","):
+            engine = HFEngine(model.path, model.dtype, batch_size=bs,
+                              cache_implementation=None if cache == "dynamic" else cache)
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, sampling)
+            wall = time.perf_counter() - t0
+            tokens = sum(c.completion_tokens for comps in out for c in comps)
+            rows.append((f"{bs}/{cache}", wall, tokens, tokens / wall))
+            engine.close()
     base = rows[0][3]
     print(f"{args.prompts} MATH-500 prompts, max_new_tokens={args.max_new_tokens}, {model.dtype}, "
           f"{os.cpu_count()} cores, torch threads default")
-    print(f"{'batch':>6} {'wall_s':>8} {'tokens':>7} {'tok/s':>8} {'vs bs' + str(rows[0][0]):>8}")
-    for bs, wall, tokens, tps in rows:
-        print(f"{bs:>6} {wall:>8.1f} {tokens:>7} {tps:>8.1f} {tps / base:>7.2f}x")
+    print(f"{'batch/cache':>14} {'wall_s':>8} {'tokens':>7} {'tok/s':>8} {'vs ' + rows[0][0]:>14}")
+    for label, wall, tokens, tps in rows:
+        print(f"{label:>14} {wall:>8.1f} {tokens:>7} {tps:>8.1f} {tps / base:>13.2f}x")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 
 

@@ -167,5 +167,26 @@ def run(
     runner.run_and_report(stack, benchmark, params)
 
 
+@app.command()
+def compare(
+    benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", "-b", help="only these benchmarks")] = None,
+    train_run: Annotated[Optional[str], typer.Option(help="only this training job")] = None,
+) -> None:
+    """Checkpoints x benchmarks from MLflow: accuracy, interval, delta to the previous and the best checkpoint."""
+    from rich.console import Console
+
+    from evaldag import runner
+    from evaldag.compare import collect, render
+    from evaldag.stack import Stack
+
+    runner.point_clients_at_stack(Stack(), need_prefect=False)
+    df = collect(benchmark, train_run)
+    console = Console(highlight=False)
+    if df.is_empty():
+        console.print("no finished evaluations in MLflow yet; run one with `evaldag run math500 --limit 20`")
+        return
+    console.print(render(df))
+
+
 if __name__ == "__main__":
     app()

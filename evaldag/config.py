@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from evaldag import paths
 from evaldag.errors import ConfigError
 from evaldag.grading import GoldFormat
+from evaldag.rewards import RewardSpec
 
 
 class _Strict(BaseModel):
@@ -70,6 +71,10 @@ class BenchmarkConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     num_shards: int = Field(4, ge=1, le=4096, description="default number of shard flow runs")
     grading_timeout_s: float = Field(10.0, gt=0, description="hard per-item grading time limit")
+    strip_thinking: bool = Field(False, description="drop <think>...</think> before extracting the answer")
+    rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="correctness")],
+                                      description="reward components, summed with their weights")
+    pass_k: list[int] | None = Field(None, description="ks for pass@k/maj@k; default 1, 2, 4, ... up to n")
 
     @model_validator(mode="after")
     def _instruction_has_problem(self) -> "BenchmarkConfig":

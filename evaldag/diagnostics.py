@@ -98,11 +98,11 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
     if len(present) < 2:
         details["p_value"] = 1.0
         return Diagnostic(name, False, f"Only {len(present)} shard with samples: nothing to compare.{note}",
-                          action, details)
+                          "None.", details)
     if correct in (0, total):
         details["p_value"] = 1.0
         return Diagnostic(name, False, f"Every sample is {'correct' if correct else 'wrong'}: the shards cannot "
-                          f"disagree.{note}", action, details)
+                          f"disagree.{note}", "None.", details)
 
     from scipy.stats import chi2, chi2_contingency
 

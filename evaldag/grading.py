@@ -338,14 +338,30 @@ def grade_many(items: Sequence[tuple[str, str, str]], timeout_s: float = 10.0, w
     return out
 
 
-def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2) -> pl.DataFrame:
-    """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s (`GRADED_SCHEMA`)."""
+_THINK_RE = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
+
+
+def strip_thinking(completion: str) -> str:
+    """Drop `<think>...</think>` blocks (and an unclosed trailing one) so the answer is read from the reply only."""
+    return _THINK_RE.sub("", completion or "").strip()
+
+
+def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
+                strip_thinking: bool = False) -> pl.DataFrame:
+    """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s (`GRADED_SCHEMA`).
+
+    With `strip_thinking`, reasoning in `<think>` blocks is removed before extraction (the stored completion keeps
+    it): a number the model mentions while thinking is not its answer.
+    """
     import polars as pl
 
     from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
 
     df = conform(df, GENERATION_SCHEMA)
-    items = list(zip(df["completion"].fill_null("").to_list(),
+    completions = df["completion"].fill_null("").to_list()
+    if strip_thinking:
+        completions = [_THINK_RE.sub("", c).strip() for c in completions]
+    items = list(zip(completions,
                      df["gold"].to_list(),
                      df["finish_reason"].fill_null("").to_list()))
     grades = grade_many(items, timeout_s=timeout_s, workers=workers)
@@ -354,5 +370,6 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2) -> 
         pl.Series("status", [g.status for g in grades], dtype=pl.Utf8),
         pl.Series("correct", [g.correct for g in grades], dtype=pl.Boolean),
         pl.Series("grade_s", [g.seconds for g in grades], dtype=pl.Float64),
+        pl.lit(None, dtype=pl.Int64).alias("answer_group"),   # filled by sampling_metrics.assign_answer_groups
     )
     return conform(graded, GRADED_SCHEMA)

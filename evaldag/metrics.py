@@ -66,17 +66,28 @@ def task_metrics(graded: pl.DataFrame) -> dict[str, float]:
     return metrics
 
 
-def system_metrics(shard_stats: pl.DataFrame) -> dict[str, float]:
-    """Throughput, memory and stage wall times from the per-shard statistics table (one row per shard)."""
+def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str, float]:
+    """Throughput, latency, memory and stage wall times.
+
+    `shard_stats` has one row per shard (figures written by the stages); latency percentiles are over requests
+    (completions) from the graded table, where a request's latency is the wall time of the batch that served it.
+    """
     row = shard_stats.select(
         generation_tokens=pl.col("generation_tokens").sum(),
         generation_s=pl.col("generation_s").sum(),
         grading_s=pl.col("grading_s").sum(),
+        grading_samples=pl.col("grading_samples").sum(),
+        scoring_s=pl.col("scoring_s").sum(),
         model_load_s=pl.col("model_load_s").sum(),
         shard_peak_rss_mb=pl.col("peak_rss_mb").max(),
+        shard_peak_gpu_mb=pl.col("peak_gpu_mb").max(),
         shard_generation_s_max=pl.col("generation_s").max(),
     ).row(0, named=True)
-    metrics = {k: float(v) for k, v in row.items()}
+    metrics = {k: float(v or 0.0) for k, v in row.items()}
     metrics["generation_tokens_per_s"] = (metrics["generation_tokens"] / metrics["generation_s"]
                                           if metrics["generation_s"] > 0 else 0.0)
+    metrics["grading_samples_per_s"] = (metrics.pop("grading_samples") / metrics["grading_s"]
+                                        if metrics["grading_s"] > 0 else 0.0)
+    lat = graded.select(**{f"latency_p{q}_s": pl.col("latency_s").quantile(q / 100, "linear") for q in (50, 95, 99)})
+    metrics.update({k: float(v) for k, v in lat.row(0, named=True).items()})
     return metrics

@@ -23,7 +23,7 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/1"
+PIPELINE_VERSION = f"{__version__}/2"   # 2: static KV cache in the hf engine
 
 
 class EvalRequest(BaseModel):
@@ -37,6 +37,10 @@ class EvalRequest(BaseModel):
     limit: int | None = Field(None, ge=1, description="evaluate only the first `limit` problems")
     num_shards: int | None = Field(None, ge=1, le=4096, description="shard flow runs; default from the benchmark")
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
+    pass_k: list[int] | None = Field(None, description="ks for pass@k and maj@k (each 1 <= k <= n)")
+    reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
+    train_run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
+                                  description="training job the checkpoint belongs to; default: its parent folder")
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":
@@ -62,7 +66,13 @@ class EvalPlan(BaseModel):
     dataset_source: str
     n_problems: int
     shards: list[list[str]]           # sample ids per shard
-    result_dir: str
+    pass_k: list[int]
+    train_run: str
+    reference: dict | None            # ResolvedModel of the reference model, when KL is asked for
+    generation_key: str               # decides the generations (model, data, prompt, sampling, engine, shards)
+    grade_key: str                    # generation_key + grading settings
+    result_dir: str                   # this evaluation's folder (plan, inputs, samples, metrics)
+    stage_dir: str                    # generations/grades/logprobs, shared by evaluations with the same generation_key
     pipeline_version: str = PIPELINE_VERSION
     grader_version: str = GRADER_VERSION
 
@@ -73,14 +83,31 @@ class EvalPlan(BaseModel):
     def path(self, name: str) -> Path:
         return Path(self.result_dir) / name
 
+    @property
+    def resolved_reference(self) -> ResolvedModel | None:
+        return ResolvedModel(**self.reference) if self.reference else None
+
+    def _stage(self, name: str, shard: int, ext: str = "parquet") -> Path:
+        return Path(self.stage_dir) / f"{name}-{shard:04d}-of-{self.num_shards:04d}.{ext}"
+
     def generations_path(self, shard: int) -> Path:
-        return self.path(f"shards/generations-{shard:04d}-of-{self.num_shards:04d}.parquet")
+        return self._stage("generations", shard)
 
     def graded_path(self, shard: int) -> Path:
-        return self.path(f"shards/graded-{shard:04d}-of-{self.num_shards:04d}.parquet")
+        return self._stage(f"graded-{self.grade_key[:12]}", shard)
 
-    def stats_path(self, shard: int) -> Path:
-        return self.path(f"shards/stats-{shard:04d}-of-{self.num_shards:04d}.json")
+    def logprobs_path(self, shard: int) -> Path:
+        ref = self.resolved_reference
+        return self._stage(f"logprobs-{ref.fingerprint[:12]}", shard)
+
+    def stats_path(self, stage: str, shard: int) -> Path:
+        """Figures of one stage of one shard (wall time, tokens, memory), kept beside its output."""
+        tag = {"generate": "generations", "grade": f"graded-{self.grade_key[:12]}"}.get(stage, stage)
+        return self._stage(f"stats-{tag}", shard, "json")
+
+    def cache_record_path(self, shard: int) -> Path:
+        """Which stages of this shard this evaluation computed and which it found done (cache hit rate)."""
+        return self.path(f"shards/stages-{shard:04d}.json")
 
     def shard_inputs(self, shard: int) -> pl.DataFrame:
         """The input rows of one shard, in the plan's order."""
@@ -118,31 +145,64 @@ def resolve(request: EvalRequest, results_root: Path | None = None) -> EvalPlan:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
     num_shards = min(request.num_shards or bench.num_shards, data.inputs.height)
     shards = plan_shards(data.inputs, num_shards)
-    key_parts = {
+    pass_k = _pass_k(request.pass_k or bench.pass_k, sampling.n, explicit=bool(request.pass_k or bench.pass_k))
+    reference = resolve_model(request.reference) if request.reference else None
+    generation_key = compute_eval_key({
         "pipeline": PIPELINE_VERSION,
-        "grader": GRADER_VERSION,
-        "benchmark": bench.model_dump(exclude={"description", "num_shards"}),
+        "instruction": bench.instruction,
         "dataset_hash": data.dataset_hash,
         "sample_ids": data.inputs["sample_id"].to_list(),
         "model_fingerprint": model.fingerprint,
         "engine": [model.engine, model.dtype, model.batch_size],
         "sampling": sampling.model_dump(),
         "shards": shards,   # batch composition changes greedy outputs slightly, so it is part of the identity
-        "step": request.step,
-    }
-    eval_key = compute_eval_key(key_parts)
+    })
+    grade_key = compute_eval_key({
+        "generation": generation_key, "grader": GRADER_VERSION, "gold_format": bench.gold_format,
+        "strip_thinking": bench.strip_thinking,
+    })
+    train_run = request.train_run or _default_train_run(request.checkpoint, model)
+    eval_key = compute_eval_key({
+        "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
+        "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
+    })
     root = results_root or paths.results_dir()
-    result_dir = root / bench.name / eval_key[:24]
     plan = EvalPlan(
         eval_key=eval_key, request=request, benchmark=bench, model=model.__dict__, sampling=sampling,
         num_shards=len(shards), dataset_hash=data.dataset_hash, dataset_source=data.source,
-        n_problems=data.inputs.height, shards=shards, result_dir=str(result_dir),
+        n_problems=data.inputs.height, shards=shards, pass_k=pass_k, train_run=train_run,
+        reference=reference.__dict__ if reference else None, generation_key=generation_key, grade_key=grade_key,
+        result_dir=str(root / bench.name / eval_key[:24]), stage_dir=str(root / bench.name / f"gen-{generation_key[:24]}"),
     )
     write_table(data.inputs, plan.path("inputs.parquet"), INPUT_SCHEMA)
     tmp = plan.path("plan.json.tmp")
     tmp.write_text(plan.model_dump_json(indent=2))
     tmp.replace(plan.path("plan.json"))
     return plan
+
+
+def _pass_k(ks: list[int] | None, n: int, explicit: bool) -> list[int]:
+    """The ks of pass@k/maj@k: as asked (each checked against n), else 1, 2, 4, ... up to n, and n itself."""
+    if explicit:
+        bad = [k for k in ks if not 1 <= k <= n]
+        if bad:
+            raise ConfigError(f"pass_k {bad} must lie in 1..n where n={n} samples per problem; raise sampling.n "
+                              "(with temperature > 0) or drop those ks")
+        return sorted(set(ks))
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return sorted(set(out) | {n})
+
+
+def _default_train_run(checkpoint: str, model: ResolvedModel) -> str:
+    """A checkpoint folder belongs to the run folder holding it (/ckpts/run-42/checkpoint-1200 -> run-42)."""
+    import re
+
+    folder = Path(model.path)
+    name = folder.parent.name if checkpoint != model.name else model.name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "default"
 
 
 def load_plan(path: str | Path) -> EvalPlan:

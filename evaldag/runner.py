@@ -9,10 +9,16 @@ from evaldag.errors import EvalDagError, StackError
 from evaldag.stack import Stack
 
 
-def _point_clients_at(stack: Stack) -> None:
-    """Make this process's Prefect and MLflow clients talk to the stack (before prefect is imported)."""
-    unhealthy = [r.component for r in stack.status() if not r.healthy]
-    if not stack.status() or unhealthy:
+def point_clients_at_stack(stack: Stack, need_prefect: bool = True) -> None:
+    """Make this process's Prefect and MLflow clients talk to the stack (before prefect is imported).
+
+    An MLFLOW_TRACKING_URI already set by the user wins for read-only commands (need_prefect=False).
+    """
+    if not need_prefect and os.environ.get("MLFLOW_TRACKING_URI"):
+        return
+    status = stack.status()
+    unhealthy = [r.component for r in status if not r.healthy]
+    if not status or unhealthy:
         raise StackError(f"the local stack in {stack.home} is not up"
                          f"{' (unhealthy: ' + ', '.join(unhealthy) + ')' if unhealthy else ''}; "
                          "start it with `evaldag up`")
@@ -22,7 +28,7 @@ def _point_clients_at(stack: Stack) -> None:
 
 def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     """Run eval/<benchmark> with `params`, wait for it, and print metrics and where to look."""
-    _point_clients_at(stack)
+    point_clients_at_stack(stack)
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from rich.console import Console

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import polars as pl
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
 
 # One row per problem of the benchmark slice, written by resolve.
 INPUT_SCHEMA: dict[str, pl.DataType] = {
@@ -29,6 +29,7 @@ GENERATION_SCHEMA: dict[str, pl.DataType] = {
     "sample_index": pl.Int64,    # 0..n-1 when n samples are drawn per problem
     "shard_index": pl.Int64,
     "completion": pl.Utf8,
+    "completion_ids": pl.List(pl.Int64),   # generated token ids (end-of-sequence included), for log-prob scoring
     "prompt_tokens": pl.Int64,   # tokens of the full chat-formatted prompt
     "completion_tokens": pl.Int64,
     "finish_reason": pl.Utf8,    # "stop" (end of sequence) or "length" (hit max_new_tokens)
@@ -44,6 +45,15 @@ GRADED_SCHEMA: dict[str, pl.DataType] = {
     "status": pl.Utf8,           # one of GRADE_STATUSES
     "correct": pl.Boolean,
     "grade_s": pl.Float64,       # time spent grading this row
+    "answer_group": pl.Int64,    # per problem: samples with mathematically equivalent answers share it (maj@k)
+}
+
+# Per-token log-probabilities of each completion under the evaluated model and the reference (KL estimates).
+LOGPROB_SCHEMA: dict[str, pl.DataType] = {
+    "sample_id": pl.Utf8,
+    "sample_index": pl.Int64,
+    "logp": pl.List(pl.Float64),
+    "ref_logp": pl.List(pl.Float64),
 }
 
 

@@ -1,8 +1,9 @@
 """The per-shard stages (generate, grade) and the reduce stage, as plain functions over plan and files.
 
-Each stage reads the previous stage's file and writes its own; a stage whose output file already exists returns
-it without recomputing (outputs are written atomically and their paths derive from the eval_key, so an existing
-file is always a complete result of the same inputs).
+Each stage reads the previous stage's file and writes its own. Output paths derive from the keys of what decides
+them (generation_key for generations, grade_key for grades, the reference fingerprint for log-probs), and are
+written atomically, so an existing file is always a complete result of the same inputs: a stage that finds its
+output reuses it instead of computing it again (and records that, for the cache hit rate).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import polars as pl
 
 from evaldag import metrics as metricsmod
 from evaldag.plan import EvalPlan
-from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
+from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, LOGPROB_SCHEMA, read_table, write_table
 
 log = logging.getLogger("evaldag")
 
@@ -27,23 +28,47 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _update_stats(plan: EvalPlan, shard: int, **fields: float) -> None:
-    path = plan.stats_path(shard)
+def _peak_gpu_mb() -> float:
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return 0.0
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    stats = json.loads(path.read_text()) if path.is_file() else {"shard_index": shard}
-    stats.update(fields)
-    stats["peak_rss_mb"] = max(stats.get("peak_rss_mb", 0.0), _peak_rss_mb())
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(stats, indent=2))
+    tmp.write_text(json.dumps(data, indent=2))
     tmp.replace(path)
 
 
+def _record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> None:
+    path = plan.cache_record_path(shard)
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    record[stage] = "computed" if computed else "reused"
+    _write_json(path, record)
+
+
 def generate_shard(plan: EvalPlan, shard: int) -> Path:
-    """Generate `n` completions for every problem of one shard; write and return the generations file."""
+    """Generate `n` completions for every problem of one shard; write and return the generations file.
+
+    When the plan names a reference model, also score the completions under both models (log-probs for KL).
+    """
     out = plan.generations_path(shard)
     if out.is_file():
         log.info("shard %d: generations already in %s, reusing them", shard, out)
-        return out
+        _record_stage(plan, shard, "generate", computed=False)
+    else:
+        _generate(plan, shard, out)
+        _record_stage(plan, shard, "generate", computed=True)
+    if plan.reference is not None:
+        score_shard(plan, shard)
+    return out
+
+
+def _generate(plan: EvalPlan, shard: int, out: Path) -> None:
     from evaldag.engines import load_engine
 
     inputs = plan.shard_inputs(shard)
@@ -64,42 +89,126 @@ def generate_shard(plan: EvalPlan, shard: int) -> Path:
     for rec, comps in zip(inputs.iter_rows(named=True), completions):
         for k, c in enumerate(comps):
             rows.append({**rec, "sample_index": k, "shard_index": shard, "completion": c.text,
-                         "prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-                         "finish_reason": c.finish_reason, "latency_s": c.latency_s, "batch_size": c.batch_size})
+                         "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+                         "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
+                         "latency_s": c.latency_s, "batch_size": c.batch_size})
     df = pl.DataFrame(rows, schema=GENERATION_SCHEMA)
-    _update_stats(plan, shard, model_load_s=load_s, generation_s=gen_s,
-                  generation_tokens=float(df["completion_tokens"].sum()))
-    return write_table(df, out, GENERATION_SCHEMA)
+    write_table(df, out, GENERATION_SCHEMA)
+    _write_json(plan.stats_path("generate", shard), {
+        "model_load_s": load_s, "generation_s": gen_s, "generation_tokens": float(df["completion_tokens"].sum()),
+        "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
+
+
+def score_shard(plan: EvalPlan, shard: int) -> Path:
+    """Per-token log-probs of the shard's completions under the evaluated model and the reference model."""
+    out = plan.logprobs_path(shard)
+    if out.is_file():
+        _record_stage(plan, shard, "score", computed=False)
+        return out
+    from evaldag.engines import load_engine
+    from evaldag.errors import ConfigError
+
+    gens = read_table(plan.generations_path(shard), GENERATION_SCHEMA)
+    prompts, ids = gens["prompt"].to_list(), gens["completion_ids"].to_list()
+    t0 = time.perf_counter()
+    scores, vocab = [], []
+    for m in (plan.resolved_model, plan.resolved_reference):
+        engine = load_engine(m.engine, m.path, m.dtype, m.batch_size)
+        vocab.append(engine.vocabulary_fingerprint())
+        if len(vocab) == 2 and vocab[0] != vocab[1]:
+            raise ConfigError(f"reference model {m.path} has a different tokenizer than the evaluated model; "
+                              "KL needs both to score the same token ids")
+        scores.append(engine.score(prompts, ids))
+        engine.close()
+    df = gens.select("sample_id", "sample_index").with_columns(
+        pl.Series("logp", scores[0], dtype=pl.List(pl.Float64)),
+        pl.Series("ref_logp", scores[1], dtype=pl.List(pl.Float64)))
+    write_table(df, out, LOGPROB_SCHEMA)
+    _write_json(plan.stats_path("score", shard), {"scoring_s": time.perf_counter() - t0,
+                                                   "peak_rss_mb": _peak_rss_mb()})
+    _record_stage(plan, shard, "score", computed=True)
+    return out
 
 
 def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> Path:
-    """Grade one shard's generations; write and return the graded file."""
+    """Grade one shard's generations (and group equivalent answers for maj@k); write and return the graded file."""
     out = plan.graded_path(shard)
     if out.is_file():
         log.info("shard %d: grades already in %s, reusing them", shard, out)
+        _record_stage(plan, shard, "grade", computed=False)
         return out
     from evaldag.grading import grade_table
+    from evaldag.sampling_metrics import assign_answer_groups
 
     gens = read_table(plan.generations_path(shard), GENERATION_SCHEMA)
     t0 = time.perf_counter()
-    graded = grade_table(gens, timeout_s=plan.benchmark.grading_timeout_s, workers=workers)
-    _update_stats(plan, shard, grading_s=time.perf_counter() - t0)
-    return write_table(graded, out, GRADED_SCHEMA)
+    graded = grade_table(gens, timeout_s=plan.benchmark.grading_timeout_s, workers=workers,
+                         strip_thinking=plan.benchmark.strip_thinking)
+    grading_s = time.perf_counter() - t0
+    graded = assign_answer_groups(graded)
+    _write_json(plan.stats_path("grade", shard), {"grading_s": grading_s, "grading_samples": graded.height,
+                                                   "grouping_s": time.perf_counter() - t0 - grading_s})
+    write_table(graded, out, GRADED_SCHEMA)
+    _record_stage(plan, shard, "grade", computed=True)
+    return out
+
+
+def _stats_table(plan: EvalPlan) -> pl.DataFrame:
+    """One row per shard with every stage's figures (missing figures are 0: e.g. no scoring without reference)."""
+    rows = []
+    for i in range(plan.num_shards):
+        row: dict = {"shard_index": i}
+        for stage in ("generate", "grade", "score"):
+            path = plan.stats_path(stage, i)
+            if path.is_file():
+                stats = json.loads(path.read_text())
+                row["peak_rss_mb"] = max(row.get("peak_rss_mb", 0.0), stats.pop("peak_rss_mb", 0.0))
+                row.update(stats)
+        rows.append(row)
+    cols = ("model_load_s", "generation_s", "generation_tokens", "grading_s", "grading_samples", "scoring_s",
+            "peak_rss_mb", "peak_gpu_mb")
+    return pl.DataFrame(rows).with_columns([pl.lit(0.0).alias(c) for c in cols if c not in pl.DataFrame(rows).columns])
+
+
+def _cache_hit_rate(plan: EvalPlan) -> float:
+    states = [v for i in range(plan.num_shards) if plan.cache_record_path(i).is_file()
+              for v in json.loads(plan.cache_record_path(i).read_text()).values()]
+    return sum(s == "reused" for s in states) / len(states) if states else 0.0
 
 
 def reduce_results(plan: EvalPlan, graded_paths: list[str | Path]) -> dict:
-    """Merge the shards' graded files, check completeness, compute metrics; write samples.parquet + metrics.json."""
+    """Merge the shards' graded files, check completeness, compute every metric and the shard diagnostic;
+    write samples.parquet (with per-sample rewards) and metrics.json; return the metrics."""
+    from evaldag.diagnostics import shard_disagreement
+    from evaldag.rewards import combined_reward, reward_metrics
+    from evaldag.sampling_metrics import sampling_metrics
+
     t0 = time.perf_counter()
     graded = pl.concat([read_table(p, GRADED_SCHEMA) for p in graded_paths])
     expected = [sid for shard in plan.shards for sid in shard]
     metricsmod.check_complete(graded, expected, plan.sampling.n)
     graded = graded.sort(["sample_id", "sample_index"])
-    stats = pl.DataFrame([json.loads(plan.stats_path(i).read_text()) for i in range(plan.num_shards)])
-    for col in ("model_load_s", "generation_s", "generation_tokens", "grading_s", "peak_rss_mb"):
-        if col not in stats.columns:
-            stats = stats.with_columns(pl.lit(0.0).alias(col))
-    result = {**metricsmod.task_metrics(graded), **metricsmod.system_metrics(stats)}
+    result = {
+        **metricsmod.task_metrics(graded),
+        **sampling_metrics(graded, plan.pass_k),
+        **reward_metrics(graded, plan.benchmark.rewards),
+        **metricsmod.system_metrics(_stats_table(plan), graded),
+        "cache_hit_rate": _cache_hit_rate(plan),
+    }
+    n = plan.sampling.n    # accuracy is avg@n: give it avg@n's interval under its own name too
+    result["accuracy_ci_low"], result["accuracy_ci_high"] = result[f"avg@{n}_ci_low"], result[f"avg@{n}_ci_high"]
+    if plan.reference is not None:
+        from evaldag.kl import kl_metrics
+
+        logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
+        result.update(kl_metrics(logprobs))
+    diagnostic = shard_disagreement(graded, num_shards=plan.num_shards) if plan.num_shards > 1 else None
+    if diagnostic is not None:
+        result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))
+    samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))
+    samples.drop("completion_ids").write_parquet(plan.path("samples.parquet"))
     result["reduce_s"] = time.perf_counter() - t0
-    write_table(graded, plan.path("samples.parquet"), GRADED_SCHEMA)
     plan.path("metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    if diagnostic is not None:
+        _write_json(plan.path("diagnostics.json"), {"shard_disagreement": diagnostic.__dict__})
     return result

@@ -1,17 +1,25 @@
 """The track stage: one MLflow run per (checkpoint, benchmark), found again by its eval_key.
 
-Logging the same evaluation twice returns the existing finished run instead of creating a second one. The tracking
-server comes from MLFLOW_TRACKING_URI (the local stack exports it to every worker).
+Logging the same evaluation twice returns the existing finished run instead of creating a second one. Runs carry
+the training job (`train_run` tag) and the checkpoint step, so the job's history (earlier checkpoints) can be read
+back for the cross-checkpoint diagnostics and the accuracy/reward-vs-step plots. The tracking server comes from
+MLFLOW_TRACKING_URI (the local stack exports it to every worker).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import polars as pl
 from mlflow.entities import Metric, Param
 
+from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
 
 EXPERIMENT_PREFIX = "evaldag"
@@ -23,11 +31,17 @@ class TrackedRun:
     experiment_id: str
     created: bool           # False when an earlier finished run with the same eval_key was found
     url: str | None         # link into the MLflow UI when the tracking URI is an http server
+    diagnostics: list[Diagnostic] = field(default_factory=list)
 
 
 def experiment_name(benchmark: str) -> str:
     """One experiment per benchmark family, e.g. evaldag-math500."""
     return f"{EXPERIMENT_PREFIX}-{benchmark}"
+
+
+def mlflow_key(name: str) -> str:
+    """MLflow metric names allow [A-Za-z0-9_-. /:]; pass@4 becomes pass_at_4."""
+    return re.sub(r"[^\w.\- /:]", "_", name.replace("@", "_at_"))
 
 
 def _client():
@@ -37,15 +51,68 @@ def _client():
 
 
 def find_run(client, experiment_id: str, eval_key: str):
-    """The newest run of the experiment tagged with `eval_key`, or None."""
+    """The newest run of the experiment tagged with `eval_key` (a finished one first), or None."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.eval_key = '{eval_key}'",
                               order_by=["attributes.start_time DESC"], max_results=5)
     finished = [r for r in runs if r.info.status == "FINISHED"]
     return (finished or runs or [None])[0]
 
 
+def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
+    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
+                              "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                              max_results=5000)
+    rows, seen = [], set()
+    for r in runs:
+        m = r.data.metrics
+        if "step" not in m or m["step"] in seen or "reward/mean" not in m:
+            continue
+        seen.add(m["step"])
+        rows.append({"step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
+                     "reward_std": m.get("reward/std", 0.0), "n_samples": m.get("n_samples", 1.0)})
+    schema = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
+              "n_samples": pl.Float64}
+    return pl.DataFrame(rows, schema=schema).sort("step")
+
+
+def history_diagnostics(history: pl.DataFrame) -> list[Diagnostic]:
+    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough)."""
+    from evaldag.diagnostics import accuracy_reward_divergence, reward_fluctuation
+
+    out = []
+    for fn, need in ((reward_fluctuation, 2), (accuracy_reward_divergence, 3)):
+        if history.height >= need:
+            out.append(fn(history))
+        else:
+            name = fn.__name__
+            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job; "
+                                  f"{history.height} so far.", "None.", {"n_checkpoints": history.height}))
+    return out
+
+
+def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
+    """PNG of accuracy and mean reward against step for one training job."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(history["step"], history["accuracy"], "o-", label="accuracy")
+    ax.plot(history["step"], history["reward_mean"], "s--", label="mean reward")
+    ax.set_xlabel("training step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> TrackedRun:
-    """Log params, tags, metrics at step and the per-sample parquet; get-or-create by eval_key."""
+    """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet; get-or-create by eval_key."""
     client = _client()
     name = experiment_name(plan.benchmark.name)
     exp = client.get_experiment_by_name(name)
@@ -61,6 +128,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
         "benchmark": plan.benchmark.name,
         "model": model.name,
         "checkpoint": model.path,
+        "train_run": plan.train_run,
         "step": f"{step:012d}",        # zero-padded: MLflow compares tags as strings
         "dataset_hash": plan.dataset_hash,
         "prefect.flow_run_id": flow_run_id or "",
@@ -68,16 +136,17 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     }
     if existing is not None:           # an earlier attempt died while logging: finish that run instead
         run_id = existing.info.run_id
-        for k, v in tags.items():
-            client.set_tag(run_id, k, v)
     else:
-        run_id = client.create_run(exp_id, run_name=f"{model.name}@{step}", tags=tags).info.run_id
+        run_id = client.create_run(exp_id, run_name=f"{plan.train_run}@{step}", tags=tags).info.run_id
     params = {
         "model": model.name, "checkpoint": model.path, "model_fingerprint": model.fingerprint[:16],
         "engine": model.engine, "dtype": model.dtype, "batch_size": model.batch_size,
         "num_shards": plan.num_shards, "n_problems": plan.n_problems, "limit": plan.request.limit,
         "dataset_source": plan.dataset_source, "gold_format": plan.benchmark.gold_format,
         "pipeline_version": plan.pipeline_version, "grader_version": plan.grader_version,
+        "pass_k": ",".join(map(str, plan.pass_k)), "train_run": plan.train_run,
+        "rewards": json.dumps([r.model_dump() for r in plan.benchmark.rewards]),
+        "reference": plan.resolved_reference.path if plan.reference else None,
         **{f"sampling.{k}": v for k, v in plan.sampling.model_dump().items()},
     }
     # MLflow refuses to overwrite a param, so a resumed run logs only the params it does not have yet.
@@ -85,14 +154,39 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     now = int(time.time() * 1000)
     client.log_batch(
         run_id,
-        metrics=[Metric(k, float(v), now, step) for k, v in {**metrics, "step": step}.items()],
+        metrics=[Metric(mlflow_key(k), float(v), now, step) for k, v in {**metrics, "step": step}.items()],
         params=[Param(k, str(v)) for k, v in params.items() if k not in logged],
+        tags=[],
     )
+    for k, v in tags.items():
+        client.set_tag(run_id, k, v)
+
+    # Diagnostics: the shard test of this evaluation, and the job's history including this checkpoint.
+    diags: list[Diagnostic] = []
+    shard_file = plan.path("diagnostics.json")
+    if shard_file.is_file():
+        diags.append(Diagnostic(**json.loads(shard_file.read_text())["shard_disagreement"]))
+    current = pl.DataFrame([{"step": step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
+                             "reward_std": metrics["reward/std"], "n_samples": metrics["n_samples"]}])
+    history = job_history(client, exp_id, plan.train_run).filter(pl.col("step") != step)
+    history = pl.concat([history, current.cast(history.schema)]).sort("step")
+    diags += history_diagnostics(history)
+    from evaldag.diagnostics import to_markdown, to_tags
+
+    for k, v in to_tags(diags).items():
+        client.set_tag(run_id, k, v)
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "diagnostics.md"
+        report.write_text(to_markdown(diags))
+        client.log_artifact(run_id, str(report), artifact_path="diagnostics")
+        png = plot_history(history, f"{plan.train_run} on {plan.benchmark.name}",
+                           Path(tmp) / f"{plan.benchmark.name}_vs_step.png")
+        client.log_artifact(run_id, str(png), artifact_path="plots")
     client.log_artifact(run_id, str(plan.path("samples.parquet")), artifact_path="samples")
     client.log_artifact(run_id, str(plan.path("plan.json")), artifact_path="config")
     client.log_artifact(run_id, str(plan.path("metrics.json")), artifact_path="config")
     client.set_terminated(run_id, "FINISHED")
-    return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id))
+    return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
 
 
 def _url(uri: str, exp_id: str, run_id: str) -> str | None:
@@ -101,13 +195,12 @@ def _url(uri: str, exp_id: str, run_id: str) -> str | None:
     return None
 
 
-def load_samples(run_id: str):
+def load_samples(run_id: str) -> pl.DataFrame:
     """Download and read a run's per-sample parquet (for tools and tests)."""
     import mlflow
-    import polars as pl
 
     local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="samples/samples.parquet")
     return pl.read_parquet(local)
 
 
-__all__ = ["track", "TrackedRun", "experiment_name", "find_run", "load_samples"]
+__all__ = ["track", "TrackedRun", "experiment_name", "find_run", "job_history", "load_samples", "mlflow_key"]

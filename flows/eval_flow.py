@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalRequest
-from evaldag.report import summary_markdown
+from evaldag.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
 from tasks.launch import launch_shard
 from tasks.reduce import reduce_task
@@ -23,13 +23,16 @@ from tasks.track import track_task
 
 
 @flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True)
-def eval_flow(
+def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` works from the CLI
     benchmark: str = "math500",
     checkpoint: str = DEFAULT_CHECKPOINT,
     step: int = 0,
     limit: int | None = None,
     num_shards: int | None = None,
     sampling: dict | None = None,
+    pass_k: list[int] | None = None,
+    reference: str | None = None,
+    train_run: str | None = None,
     dispatch: Literal["deployment", "inline"] = "deployment",
 ) -> dict:
     """Evaluate one checkpoint on one benchmark and log it to MLflow; returns the headline figures.
@@ -38,7 +41,8 @@ def eval_flow(
     "inline" runs the shards one after another inside this flow run (no workers needed).
     """
     request = EvalRequest.parse(benchmark=benchmark, checkpoint=checkpoint, step=step, limit=limit,
-                                num_shards=num_shards, sampling=sampling)
+                                num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
+                                train_run=train_run)
     plan_path = resolve_task(request)
     from evaldag.plan import load_plan
 
@@ -52,8 +56,11 @@ def eval_flow(
     run = track_task(plan_path, metrics, flow_run.id)
     summary = {"eval_key": plan.eval_key, "mlflow_run_id": run.run_id, "mlflow_url": run.url,
                "new_mlflow_run": run.created, "metrics": metrics}
-    create_markdown_artifact(summary_markdown(plan, metrics, run.url), key=f"eval-{plan.benchmark.name}",
+    create_markdown_artifact(summary_markdown(plan, metrics, run.url, run.diagnostics),
+                             key=f"eval-{plan.benchmark.name}",
                              description=f"{plan.resolved_model.name} on {plan.benchmark.name} at step {step}")
+    create_table_artifact(headline_table(plan, metrics, run.url), key=f"eval-{plan.benchmark.name}-mlflow",
+                          description="headline metrics and the MLflow run they were logged to")
     get_run_logger().info("%s on %s: accuracy %.4f over %d samples; MLflow run %s", plan.resolved_model.name,
                           plan.benchmark.name, metrics["accuracy"], int(metrics["n_samples"]), run.url or run.run_id)
     return summary

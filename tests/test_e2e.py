@@ -91,6 +91,19 @@ def test_deployment_run_cli_end_to_end(live_stack):
     assert run.data.metrics["generation_tokens_per_s"] > 0
     history = client.get_metric_history(run.info.run_id, "accuracy")
     assert [m.step for m in history] == [7]
+    metrics = run.data.metrics
+    for key in ("avg_at_1", "pass_at_1", "pass_at_1_ci_low", "reward/mean", "reward/correctness/mean",
+                "latency_p50_s", "latency_p99_s", "grading_samples_per_s", "cache_hit_rate", "shard_peak_rss_mb",
+                "shard_disagreement_p", "accuracy_ci_low", "accuracy_ci_high"):
+        assert key in metrics, key
+    assert metrics["pass_at_1"] == pytest.approx(metrics["accuracy"])      # n = 1: pass@1 is the accuracy
+    assert metrics["reward/mean"] == pytest.approx(metrics["accuracy"])    # default reward: correctness
+    assert metrics["accuracy_ci_low"] <= metrics["accuracy"] <= metrics["accuracy_ci_high"]
+    assert metrics["cache_hit_rate"] == 0.0                                 # first evaluation: all computed
+    for name in ("shard_disagreement", "reward_fluctuation", "accuracy_reward_divergence"):
+        assert run.data.tags[f"diagnostic.{name}"] in ("ok", "fired")
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"samples", "config", "diagnostics", "plots"} <= artifacts
     assert run.data.params["num_shards"] == "2" and run.data.params["sampling.max_new_tokens"] == "24"
 
     samples = load_samples(run.info.run_id)
@@ -130,6 +143,8 @@ def test_checkpoint_folder_and_idempotent_tracking(live_stack):
     second_shard = _shard_runs(second.id)
     assert len(second_shard) == 1 and second_shard[0].state.is_completed()
     assert gens[0].stat().st_mtime < second_shard[0].start_time.timestamp()
+    stages = json.loads((result_dir / "shards" / "stages-0000.json").read_text())
+    assert stages == {"generate": "reused", "grade": "reused"}
 
 
 @pytest.mark.parametrize("params, message", [
@@ -171,3 +186,35 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
     bad = subprocess.run([evaldag, "run", "math5000"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1
     assert "cannot start eval/math5000" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack):
+    """n=4 sampled completions give pass@k/maj@k for k = 1, 2, 4; a reference model gives KL estimates (the model
+    against itself: exactly 0, which checks that both scoring passes see the same tokens)."""
+    params = {"limit": 3, "num_shards": 1, "step": 55, "train_run": "kl-check",
+              "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 1},
+              "reference": "smollm2-135m-instruct"}
+    fr = _run(params)
+    assert fr.state.is_completed(), fr.state.message
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'kl-check'")
+    m = run.data.metrics
+    assert m["n_samples"] == 12 and m["n_problems"] == 3
+    assert m["pass_at_1"] <= m["pass_at_2"] <= m["pass_at_4"]
+    for k in (1, 2, 4):
+        assert f"maj_at_{k}" in m and m[f"pass_at_{k}_ci_low"] <= m[f"pass_at_{k}"] <= m[f"pass_at_{k}_ci_high"]
+    assert m["kl/k1/token_mean"] == pytest.approx(0.0, abs=1e-9)
+    assert m["kl/k3/token_mean"] == pytest.approx(0.0, abs=1e-9)
+    samples = load_samples(run.info.run_id)
+    assert sorted(samples["sample_index"].unique()) == [0, 1, 2, 3]
+    assert len(set(samples.filter(pl.col("sample_id") == samples["sample_id"][0])["completion"])) > 1
+
+
+def test_compare_shows_checkpoints_by_benchmark(live_stack):
+    """`evaldag compare` reads the evaluations back from MLflow, one row per (training job, step)."""
+    evaldag = str(Path(sys.executable).with_name("evaldag"))
+    proc = subprocess.run([evaldag, "compare", "--benchmark", "math500"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "math500" in proc.stdout and "kl-check" in proc.stdout and "1200" in proc.stdout

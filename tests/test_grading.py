@@ -209,7 +209,7 @@ def test_grade_table_conforms_to_graded_schema() -> None:
         "gold_raw": ["025"] * 3, "subject": [None] * 3, "level": [None] * 3, "sample_index": [0] * 3,
         "shard_index": [0] * 3, "completion": [r[1] for r in rows], "prompt_tokens": [10] * 3,
         "completion_tokens": [20] * 3, "finish_reason": [r[3] for r in rows], "latency_s": [0.1] * 3,
-        "batch_size": [3] * 3,
+        "batch_size": [3] * 3, "completion_ids": [[1, 2]] * 3,
     }, schema=GENERATION_SCHEMA)
     graded = grade_table(df, workers=2)
     assert graded.schema == pl.Schema(GRADED_SCHEMA)
@@ -218,3 +218,22 @@ def test_grade_table_conforms_to_graded_schema() -> None:
     assert graded["correct"].to_list() == [True, False, False]
     assert graded["pred"].to_list() == ["25", None, "3"]
     assert graded["grade_s"].min() >= 0
+
+
+def test_strip_thinking_reads_the_answer_after_the_reasoning():
+    import polars as pl
+
+    from evaldag.grading import strip_thinking
+    from evaldag.schema import GENERATION_SCHEMA
+
+    assert strip_thinking("<think>maybe 7?</think> The answer is $\\boxed{5}$") == "The answer is $\\boxed{5}$"
+    assert strip_thinking("<think>still thinking, 7") == ""
+    row = {c: None for c in GENERATION_SCHEMA}
+    row.update(sample_id="a", prompt="p", gold="5", gold_raw="5", sample_index=0, shard_index=0,
+               completion="<think>Maybe $\\boxed{7}$? No.</think> The answer is $5$.", completion_ids=[1],
+               prompt_tokens=1, completion_tokens=1, finish_reason="stop", latency_s=0.1, batch_size=1)
+    df = pl.DataFrame([row], schema=GENERATION_SCHEMA)
+    with_thinking = grade_table(df, workers=0)
+    stripped = grade_table(df, workers=0, strip_thinking=True)
+    assert stripped["status"][0] == "correct"
+    assert with_thinking["status"][0] == "wrong"     # the boxed guess inside <think> would be taken otherwise

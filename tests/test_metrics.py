@@ -14,7 +14,8 @@ from evaldag.schema import GRADED_SCHEMA
 def _table(rows: list[dict]) -> pl.DataFrame:
     base = {"prompt": "p", "gold": "1", "gold_raw": "1", "subject": None, "level": None, "shard_index": 0,
             "completion": "c", "prompt_tokens": 10, "completion_tokens": 5, "finish_reason": "stop",
-            "latency_s": 1.0, "batch_size": 1, "pred": "1", "grade_s": 0.01, "sample_index": 0}
+            "latency_s": 1.0, "batch_size": 1, "pred": "1", "grade_s": 0.01, "sample_index": 0,
+            "completion_ids": [1, 2], "answer_group": None}
     out = []
     for r in rows:
         row = {**base, **r}
@@ -86,11 +87,17 @@ def test_check_complete_catches_gaps_duplicates_and_strays():
 
 def test_system_metrics():
     stats = pl.DataFrame({"shard_index": [0, 1], "generation_tokens": [1000.0, 3000.0],
-                          "generation_s": [10.0, 30.0], "grading_s": [1.0, 2.0], "model_load_s": [2.0, 2.0],
-                          "peak_rss_mb": [900.0, 1100.0]})
-    m = system_metrics(stats)
+                          "generation_s": [10.0, 30.0], "grading_s": [1.0, 2.0], "grading_samples": [30.0, 60.0],
+                          "scoring_s": [0.0, 0.0], "model_load_s": [2.0, 2.0], "peak_rss_mb": [900.0, 1100.0],
+                          "peak_gpu_mb": [0.0, 0.0]})
+    graded = _table([{"sample_id": str(i), "status": "wrong", "latency_s": float(i + 1)} for i in range(100)])
+    m = system_metrics(stats, graded)
     assert m["generation_tokens_per_s"] == pytest.approx(100.0)
+    assert m["grading_samples_per_s"] == pytest.approx(30.0)
     assert m["shard_peak_rss_mb"] == 1100.0
     assert m["shard_generation_s_max"] == 30.0
     assert m["grading_s"] == 3.0
+    assert m["latency_p50_s"] == pytest.approx(50.5)
+    assert m["latency_p95_s"] == pytest.approx(95.05)
+    assert m["latency_p99_s"] == pytest.approx(99.01)
     assert not math.isnan(m["model_load_s"])

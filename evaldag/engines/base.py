@@ -13,6 +13,7 @@ class Completion:
     """One generated completion."""
 
     text: str
+    token_ids: list[int]        # generated ids, end-of-sequence included
     prompt_tokens: int
     completion_tokens: int      # up to and including the end-of-sequence token
     finish_reason: str          # "stop" or "length"
@@ -29,5 +30,9 @@ class Engine(Protocol):
 
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]: ...
+
+    def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
+        """Per-token log-probabilities (temperature 1) of each completion's ids after its prompt."""
+        ...
 
     def close(self) -> None: ...
