@@ -33,7 +33,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     from prefect.deployments import run_deployment
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)   # URLs must stay on one line to be clickable/greppable
     name = f"eval/{benchmark}"
     try:
         fr = run_deployment(name, parameters=params, timeout=0)

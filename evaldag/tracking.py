@@ -70,7 +70,7 @@ def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
             continue
         seen.add(m["step"])
         rows.append({"step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
-                     "reward_std": m.get("reward/std", 0.0), "n_samples": m.get("n_samples", 1.0)})
+                     "reward_std": m.get("reward/std", float("nan")), "n_samples": m.get("n_samples", 1.0)})
     schema = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
               "n_samples": pl.Float64}
     return pl.DataFrame(rows, schema=schema).sort("step")
@@ -167,7 +167,8 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     if shard_file.is_file():
         diags.append(Diagnostic(**json.loads(shard_file.read_text())["shard_disagreement"]))
     current = pl.DataFrame([{"step": step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
-                             "reward_std": metrics["reward/std"], "n_samples": metrics["n_samples"]}])
+                             # one sample has no std: an unknown spread makes the fluctuation test see no noise
+                             "reward_std": metrics.get("reward/std", float("nan")), "n_samples": metrics["n_samples"]}])
     history = job_history(client, exp_id, plan.train_run).filter(pl.col("step") != step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
     diags += history_diagnostics(history)

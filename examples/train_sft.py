@@ -191,7 +191,8 @@ class Examples:
         return ids, labels
 
     def batch(self, step: int):
-        """The batch of optimizer step `step` (0-based): rows of a seeded permutation of epoch step // steps_per_epoch."""
+        """The batch of optimizer step `step` (0-based): a slice of the seeded permutation of the rows for the
+        epoch the step falls in (step // steps_per_epoch)."""
         import torch
 
         epoch, index = divmod(step, self.steps_per_epoch)

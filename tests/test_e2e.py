@@ -137,8 +137,9 @@ def test_checkpoint_folder_and_idempotent_tracking(live_stack):
     assert run.data.tags["prefect.flow_run_id"] == str(first.id)
     assert [m.step for m in client.get_metric_history(run.info.run_id, "accuracy")] == [1200]
     # the second evaluation generated nothing: its shard found the first one's generations file and kept it
-    result_dir = Path(json.loads(mlflow.artifacts.load_text(run.info.artifact_uri + "/config/plan.json"))["result_dir"])
-    gens = list((result_dir / "shards").glob("generations-*.parquet"))
+    plan = json.loads(mlflow.artifacts.load_text(run.info.artifact_uri + "/config/plan.json"))
+    result_dir, stage_dir = Path(plan["result_dir"]), Path(plan["stage_dir"])
+    gens = list(stage_dir.glob("generations-*.parquet"))
     assert len(gens) == 1
     second_shard = _shard_runs(second.id)
     assert len(second_shard) == 1 and second_shard[0].state.is_completed()
@@ -213,8 +214,13 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack):
 
 def test_compare_shows_checkpoints_by_benchmark(live_stack):
     """`evaldag compare` reads the evaluations back from MLflow, one row per (training job, step)."""
+    for step in (5, 10):
+        fr = _run({"limit": 1, "num_shards": 1, "step": step, "train_run": "compare-check", "sampling": TINY})
+        assert fr.state.is_completed(), fr.state.message
     evaldag = str(Path(sys.executable).with_name("evaldag"))
     proc = subprocess.run([evaldag, "compare", "--benchmark", "math500"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "math500" in proc.stdout and "kl-check" in proc.stdout and "1200" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if "compare-check" in line]
+    assert "math500" in proc.stdout
+    assert [line.split("│")[2].strip() for line in rows] == ["5", "10"]
