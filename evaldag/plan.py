@@ -41,6 +41,8 @@ class EvalRequest(BaseModel):
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
     train_run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
                                   description="training job the checkpoint belongs to; default: its parent folder")
+    mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                                             description="the training job's MLflow run, when the trainer made one")
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":

@@ -366,6 +366,8 @@ class Stack:
                                      key={"argv": argv, "env": env})
 
         passthrough = {k: v for k, v in os.environ.items() if k.startswith("EVALDAG_") and k not in _STACK_ENV}
+        # where checkpoint events may point: examples/train_sft.py writes to <repo>/runs unless told otherwise
+        repo["EVALDAG_CHECKPOINT_ROOTS"] = os.environ.get("EVALDAG_CHECKPOINT_ROOTS", str(paths.REPO_ROOT / "runs"))
         worker_env = {**common, **repo, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
                       "MLFLOW_TRACKING_URI": s.mlflow_url,
                       "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}",

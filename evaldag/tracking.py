@@ -23,6 +23,11 @@ from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
 
 EXPERIMENT_PREFIX = "evaldag"
+# One run per training job, holding every benchmark's headline metrics at step = checkpoint step: its chart view
+# draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
+# child runs link to it with the tag evaldag.parent_run_id instead.)
+JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
+HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,53 @@ def find_run(client, experiment_id: str, eval_key: str):
                               order_by=["attributes.start_time DESC"], max_results=5)
     finished = [r for r in runs if r.info.status == "FINISHED"]
     return (finished or runs or [None])[0]
+
+
+def _experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # created meanwhile by a concurrent evaluation
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def parent_run(client, train_run: str, requested: str | None = None) -> str:
+    """The training job's parent run (get-or-create; a run id the trainer created itself wins).
+
+    Two evaluations finishing at once may both create one; both then keep the oldest and the newer is deleted, so
+    a job ends with exactly one parent.
+    """
+    if requested:
+        return requested
+    exp_id = _experiment_id(client, JOBS_EXPERIMENT)
+    filt = f"tags.train_run = '{train_run}' and tags.kind = 'train_job'"
+
+    def oldest():
+        return client.search_runs([exp_id], filter_string=filt, order_by=["attributes.start_time ASC"],
+                                  max_results=10)
+
+    runs = oldest()
+    if runs:
+        return runs[0].info.run_id
+    mine = client.create_run(exp_id, run_name=train_run, tags={"train_run": train_run, "kind": "train_job"})
+    runs = oldest()
+    if runs and runs[0].info.run_id != mine.info.run_id:
+        client.delete_run(mine.info.run_id)
+        return runs[0].info.run_id
+    return mine.info.run_id
+
+
+def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int]]:
+    """(checkpoint folder, step) of every finished evaluation of `benchmark` (what the sweeper need not redo)."""
+    client = _client()
+    exp = client.get_experiment_by_name(experiment_name(benchmark))
+    if exp is None:
+        return set()
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                              max_results=50000)
+    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0"))) for r in runs}
 
 
 def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
@@ -115,8 +167,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet; get-or-create by eval_key."""
     client = _client()
     name = experiment_name(plan.benchmark.name)
-    exp = client.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp else client.create_experiment(name, tags={"evaldag.benchmark": name})
+    exp_id = _experiment_id(client, name)
     existing = find_run(client, exp_id, plan.eval_key)
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if existing is not None and existing.info.status == "FINISHED":
@@ -183,6 +234,12 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
         png = plot_history(history, f"{plan.train_run} on {plan.benchmark.name}",
                            Path(tmp) / f"{plan.benchmark.name}_vs_step.png")
         client.log_artifact(run_id, str(png), artifact_path="plots")
+    # the training job's parent run: this benchmark's headline figures at this step
+    parent = parent_run(client, plan.train_run, plan.request.mlflow_parent_run_id)
+    client.set_tag(run_id, "evaldag.parent_run_id", parent)
+    bench = plan.benchmark.name
+    client.log_batch(parent, metrics=[Metric(mlflow_key(f"{bench}/{k}"), float(metrics[k]), now, step)
+                                      for k in HEADLINE if k in metrics])
     client.log_artifact(run_id, str(plan.path("samples.parquet")), artifact_path="samples")
     client.log_artifact(run_id, str(plan.path("plan.json")), artifact_path="config")
     client.log_artifact(run_id, str(plan.path("metrics.json")), artifact_path="config")

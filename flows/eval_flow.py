@@ -33,6 +33,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     pass_k: list[int] | None = None,
     reference: str | None = None,
     train_run: str | None = None,
+    mlflow_parent_run_id: str | None = None,
     dispatch: Literal["deployment", "inline"] = "deployment",
 ) -> dict:
     """Evaluate one checkpoint on one benchmark and log it to MLflow; returns the headline figures.
@@ -42,7 +43,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     """
     request = EvalRequest.parse(benchmark=benchmark, checkpoint=checkpoint, step=step, limit=limit,
                                 num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
-                                train_run=train_run)
+                                train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id)
     plan_path = resolve_task(request)
     from evaldag.plan import load_plan
 

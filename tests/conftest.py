@@ -21,6 +21,9 @@ os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
 os.environ.setdefault("EVALDAG_DATA_DIR", str(_REPO.parent / "shared" / "data"))
 os.environ.setdefault("EVALDAG_MODELS_DIR", str(Path.home() / ".evaldag" / "models"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+# checkpoint events and sweeps may only point here (the stack hands it to its workers)
+os.environ["EVALDAG_CHECKPOINT_ROOTS"] = str(_TMP / "checkpoints")
+(_TMP / "checkpoints").mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
     os.environ.pop(var, None)

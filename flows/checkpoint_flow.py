@@ -1,0 +1,30 @@
+"""on-checkpoint: a validated "checkpoint saved" event -> one evaluation flow run per requested benchmark.
+
+Deployed with an event trigger (deployments/prefect.yaml): the whole event payload arrives as the `event`
+parameter and is validated here, so a malformed or hostile payload fails this flow run with a message naming the
+problem, and starts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prefect import flow
+
+from evaldag.checkpoints import allowed_roots_from_env, validate_checkpoint_event
+from evaldag.triggers import requested_benchmarks
+from tasks.dispatch import start_evaluation
+
+
+@flow(name="on-checkpoint", log_prints=True)
+def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # noqa: B006 - a Prefect default
+                  eval_overrides: dict | None = None) -> list[dict]:
+    """Validate the payload (path under EVALDAG_CHECKPOINT_ROOTS, complete checkpoint, step >= 0) and start the
+    evaluations; returns the started (or already existing) flow runs."""
+    ckpt = validate_checkpoint_event(event, allowed_roots_from_env(),
+                                     marker=os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None)
+    benchmarks = requested_benchmarks(ckpt.benchmarks, default_benchmarks)
+    overrides = dict(eval_overrides or {})
+    if ckpt.mlflow_parent_run_id:   # the trainer made its own MLflow run for the job: log the curves there
+        overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id
+    return [start_evaluation(b, ckpt.path, ckpt.step, ckpt.train_run, overrides) for b in benchmarks]

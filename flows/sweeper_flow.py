@@ -1,0 +1,63 @@
+"""eval-sweeper and eval-latest: scheduled flows that find checkpoints on disk and start missing evaluations.
+
+The sweeper catches what events missed (a trainer without a notifier, a lost event, a crashed evaluation);
+eval-latest evaluates the newest checkpoint of one run (the nightly example in deployments/prefect.yaml).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
+from evaldag.errors import ConfigError
+from evaldag.triggers import requested_benchmarks, train_run_of
+from tasks.dispatch import start_evaluation
+from tasks.lookup import evaluated_checkpoints
+
+
+def _roots(roots: list[str] | None) -> list[Path]:
+    allowed = allowed_roots_from_env()
+    chosen = [Path(r).expanduser().resolve() for r in roots] if roots else allowed
+    outside = [r for r in chosen if not any(r.is_relative_to(a) for a in allowed)]
+    if outside:
+        raise ConfigError(f"roots {[str(r) for r in outside]} are not under EVALDAG_CHECKPOINT_ROOTS "
+                          f"({[str(a) for a in allowed]})")
+    return chosen
+
+
+@flow(name="eval-sweeper", log_prints=True)
+def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math500"],  # noqa: B006
+                 eval_overrides: dict | None = None) -> dict:
+    """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
+    has no finished MLflow run yet; failed earlier evaluations are started again."""
+    marker = os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None
+    benches = requested_benchmarks(None, benchmarks)
+    found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
+             for step, ckpt in discover_checkpoints(root, marker)]
+    started, done = [], 0
+    for bench in benches:
+        have = evaluated_checkpoints(bench)
+        for step, ckpt, root in found:
+            if (str(ckpt.resolve()), step) in have:
+                done += 1
+                continue
+            started.append(start_evaluation(bench, str(ckpt.resolve()), step, train_run_of(ckpt, root),
+                                            eval_overrides, relaunch_failed=True))
+    get_run_logger().info("%d checkpoints x %d benchmarks: %d already evaluated, %d started or in progress",
+                          len(found), len(benches), done, len(started))
+    return {"checkpoints": len(found), "already_evaluated": done, "started": started}
+
+
+@flow(name="eval-latest", log_prints=True)
+def eval_latest(root: str, benchmark: str = "math500", eval_overrides: dict | None = None) -> dict:
+    """Evaluate the newest complete checkpoint under `root` (a run folder such as /ckpts/run-42)."""
+    run_root = _roots([root])[0]
+    found = discover_checkpoints(run_root, os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None)
+    if not found:
+        raise ConfigError(f"no complete checkpoint under {run_root}")
+    step, ckpt = found[-1]
+    return start_evaluation(requested_benchmarks(None, [benchmark])[0], str(ckpt.resolve()), step,
+                            train_run_of(ckpt, run_root), eval_overrides, relaunch_failed=True)

@@ -1,0 +1,190 @@
+"""Checkpoint-arrival triggers against the real stack: trainer events, duplicates, a server that is down, hostile
+payloads, and the sweeper. The evaluations are small slices (2 problems, 16 new tokens) of the real pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import DeploymentUpdate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+from prefect.deployments import run_deployment
+
+from conftest import free_ports
+from evaldag.models import resolve_model
+from evaldag.tracking import JOBS_EXPERIMENT, experiment_name
+from evaldag.trainer import CheckpointNotifier, flush_spool
+
+pytestmark = [pytest.mark.stack, pytest.mark.model]
+
+SMALL = {"limit": 2, "num_shards": 1, "sampling": {"max_new_tokens": 16}}
+ROOT = Path(os.environ["EVALDAG_CHECKPOINT_ROOTS"])
+
+
+def _checkpoint(run: str, step: int) -> Path:
+    """A complete checkpoint folder under the allowed root: the default model's files, hard-linked (cheap)."""
+    src = Path(resolve_model("smollm2-135m-instruct").path)
+    dst = ROOT / run / f"checkpoint-{step}"
+    if not dst.exists():
+        def link(a, b):
+            try:
+                os.link(a, b)
+            except OSError:
+                shutil.copy2(a, b)
+        shutil.copytree(src, dst, copy_function=link)
+    return dst
+
+
+async def _deployment_runs(deployment: str) -> list:
+    async with get_client() as client:
+        return await client.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment])), limit=200)
+
+
+def _runs(deployment: str) -> list:
+    return asyncio.run(_deployment_runs(deployment))
+
+
+def _wait_for(predicate, timeout: float = 600, every: float = 2.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s")
+
+
+def _final_run_for(deployment: str, match) -> object:
+    def found():
+        runs = [r for r in _runs(deployment) if match(r)]
+        return runs[0] if runs and runs[0].state and runs[0].state.is_final() else None
+    return _wait_for(found)
+
+
+def _event_runs(path: Path) -> list:
+    return [r for r in _runs("on-checkpoint") if r.parameters.get("event", {}).get("path") == str(path)]
+
+
+@pytest.fixture(scope="module")
+def triggers(live_stack):
+    """Small evaluations for the trigger and sweeper deployments (a server-side setting, not an event field)."""
+    async def set_overrides():
+        async with get_client() as client:
+            for name in ("on-checkpoint/on-checkpoint", "eval-sweeper/hourly"):
+                dep = await client.read_deployment_by_name(name)
+                await client.update_deployment(dep.id, DeploymentUpdate(
+                    parameters={**dep.parameters, "eval_overrides": SMALL}))
+    asyncio.run(set_overrides())
+    return live_stack
+
+
+def test_event_starts_an_evaluation_logged_under_the_job(triggers):
+    ckpt = _checkpoint("evt-run", 100)
+    notifier = CheckpointNotifier(train_run="evt-run", api_url=triggers.settings.prefect_api_url,
+                                  benchmarks=["math500"], spool_dir=ROOT.parent / "spool-a")
+    t0 = time.time()
+    notifier.notify(ckpt, step=100)
+    first = _wait_for(lambda: _event_runs(ckpt), timeout=120, every=0.5)[0]
+    latency = first.created.timestamp() - t0
+    print(f"event -> on-checkpoint flow run created: {latency:.2f} s")
+    parent = _final_run_for("on-checkpoint", lambda r: r.id == first.id)
+    assert parent.state.is_completed(), parent.state.message
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "evt-run"
+                                and r.parameters.get("step") == 100)
+    assert evaluation.state.is_completed(), evaluation.state.message
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    [child] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'evt-run'")
+    assert child.data.tags["step"] == "000000000100" and child.data.metrics["n_samples"] == 2
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    [job] = client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'evt-run'")
+    assert child.data.tags["evaldag.parent_run_id"] == job.info.run_id
+    assert [m.step for m in client.get_metric_history(job.info.run_id, "math500/accuracy")] == [100]
+
+
+def test_duplicate_events_give_one_evaluation(triggers):
+    ckpt = _checkpoint("dup-run", 10)
+    notifier = CheckpointNotifier(train_run="dup-run", api_url=triggers.settings.prefect_api_url,
+                                  benchmarks=["math500"], spool_dir=ROOT.parent / "spool-b")
+    notifier.notify(ckpt, step=10)
+    notifier.notify(ckpt, step=10)
+    _wait_for(lambda: len(_event_runs(ckpt)) == 2 and all(r.state.is_final() for r in _event_runs(ckpt)))
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "dup-run")
+    assert evaluation.state.is_completed(), evaluation.state.message
+    notifier.notify(ckpt, step=10)      # again, after the evaluation completed
+    _wait_for(lambda: len(_event_runs(ckpt)) == 3 and all(r.state.is_final() for r in _event_runs(ckpt)))
+    assert all(r.state.is_completed() for r in _event_runs(ckpt))
+    evals = [r for r in _runs("math500") if r.parameters.get("train_run") == "dup-run"]
+    assert len(evals) == 1, "the same checkpoint x benchmark must be evaluated once"
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    assert len(client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'dup-run'")) == 1
+
+
+def test_events_sent_while_the_server_is_down_are_spooled_then_delivered(triggers):
+    ckpt = _checkpoint("spool-run", 200)
+    spool = ROOT.parent / "spool-c"
+    (dead_port,) = free_ports(1)
+    notifier = CheckpointNotifier(train_run="spool-run", api_url=f"http://127.0.0.1:{dead_port}/api",
+                                  benchmarks=["math500"], spool_dir=spool, max_block_s=2.0)
+    t0 = time.perf_counter()
+    event_id = notifier.notify(ckpt, step=200)
+    assert time.perf_counter() - t0 < 3.0, "notify must not block the trainer while the server is down"
+    assert len(notifier.pending()) == 1
+    assert flush_spool(spool, triggers.settings.prefect_api_url) == 1     # the server is back
+    assert notifier.pending() == []
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "spool-run")
+    assert evaluation.state.is_completed(), evaluation.state.message
+    assert event_id
+
+
+@pytest.mark.parametrize("payload_fn, message", [
+    (lambda ok: {k: v for k, v in ok.items() if k != "path"}, "path"),
+    (lambda ok: {**ok, "path": "/etc"}, "not under"),
+    (lambda ok: {**ok, "path": str(ROOT / "bad-run" / ".." / "bad-run" / "checkpoint-1")}, ".."),
+    (lambda ok: {**ok, "path": str(ROOT / "bad-run" / "checkpoint-2")}, "no tokenizer"),
+    (lambda ok: {**ok, "step": -5}, "step"),
+    (lambda ok: {**ok, "benchmarks": ["math5000"]}, "unknown benchmarks"),
+], ids=["missing-path", "outside-roots", "traversal", "incomplete", "negative-step", "unknown-benchmark"])
+def test_malformed_payloads_fail_their_own_run(triggers, payload_fn, message):
+    incomplete = ROOT / "bad-run" / "checkpoint-2"
+    incomplete.mkdir(parents=True, exist_ok=True)
+    (incomplete / "config.json").write_text("{}")
+    (incomplete / "model.safetensors").write_bytes(b"\0" * 8)
+    ok = {"path": str(_checkpoint("bad-run", 1)), "step": 1, "train_run": "bad-run", "benchmarks": ["math500"]}
+    payload = payload_fn(ok)
+    marker = f"marker-{uuid.uuid4().hex[:8]}"
+    payload["extra"] = {"marker": marker}
+    event = {"id": str(uuid.uuid4()), "occurred": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "event": "evaldag.checkpoint.saved",
+             "resource": {"prefect.resource.id": "evaldag.train-run.bad-run", "prefect.resource.name": "bad-run"},
+             "payload": payload}
+    r = httpx.post(f"{triggers.settings.prefect_api_url}/events", json=[event], timeout=10)
+    assert r.status_code == 204
+    run = _final_run_for("on-checkpoint", lambda fr: fr.parameters.get("event", {}).get("extra", {})
+                         .get("marker") == marker)
+    assert run.state.is_failed()
+    assert message in run.state.message, run.state.message
+    assert not [r for r in _runs("math500") if r.parameters.get("train_run") == "bad-run"]
+
+
+def test_sweeper_evaluates_checkpoints_nobody_announced(triggers):
+    _checkpoint("quiet-run", 300)
+    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "quiet-run")]}, timeout=300)
+    assert fr.state.is_completed(), fr.state.message
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "quiet-run")
+    assert evaluation.state.is_completed(), evaluation.state.message
+    again = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "quiet-run")]}, timeout=300)
+    assert again.state.is_completed()
+    time.sleep(3)
+    assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "quiet-run"]) == 1
