@@ -6,6 +6,7 @@ exits with code 1, without a traceback: see `_Group.invoke`, the one place that 
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Optional
 
 import click
@@ -165,6 +166,29 @@ def run(
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
                                     sampling=sampling).items() if v is not None}
     runner.run_and_report(stack, benchmark, params)
+
+
+@app.command("flush-events")
+def flush_events(
+    train_run: Annotated[Optional[str], typer.Argument(help="training run whose spool to flush (default: all)")] = None,
+) -> None:
+    """Send checkpoint events a trainer spooled while the Prefect server was unreachable."""
+    from evaldag import paths, runner
+    from evaldag.stack import Stack
+    from evaldag.trainer import flush_spool
+
+    if not os.environ.get("PREFECT_API_URL"):
+        runner.point_clients_at_stack(Stack())
+    root = paths.home() / "spool"
+    spools = [root / train_run] if train_run else sorted(p for p in root.glob("*") if p.is_dir())
+    total = 0
+    for spool in spools:
+        sent = flush_spool(spool, os.environ["PREFECT_API_URL"])
+        left = len(list(spool.glob("*.json")))
+        typer.echo(f"{spool.name}: delivered {sent}, {left} still pending")
+        total += sent
+    if not spools:
+        typer.echo(f"no spooled events under {root}")
 
 
 @app.command()

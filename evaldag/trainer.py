@@ -388,7 +388,8 @@ class CheckpointNotifier:
         self.model = model
         self.mlflow_parent_run_id = mlflow_parent_run_id
         self.spool_dir = (Path(spool_dir).expanduser() if spool_dir is not None
-                          else Path.home() / ".evaldag" / "spool" / train_run).absolute()
+                          else Path(os.environ.get("EVALDAG_HOME", Path.home() / ".evaldag")).expanduser()
+                          / "spool" / train_run).absolute()
         self.timeout_s, self.max_block_s, self.retries, self.backoff_s = timeout_s, max_block_s, retries, backoff_s
         self._headers = _auth_headers()
         self._lock = threading.Lock()

@@ -13,7 +13,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from evaldag.plan import DEFAULT_CHECKPOINT, EvalRequest
+from evaldag.plan import DEFAULT_CHECKPOINT, EvalRequest, load_plan
 from evaldag.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
 from tasks.launch import launch_shard
@@ -45,8 +45,6 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                 num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
                                 train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id)
     plan_path = resolve_task(request)
-    from evaldag.plan import load_plan
-
     plan = load_plan(plan_path)
     shards = list(range(plan.num_shards))
     if dispatch == "deployment":

@@ -416,8 +416,12 @@ def test_api_url_from_env(server, tmp_path, monkeypatch):
 
 def test_default_spool_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("EVALDAG_HOME", raising=False)
     assert CheckpointNotifier("run-7", api_url="http://127.0.0.1:1/api").spool_dir == \
         tmp_path / ".evaldag" / "spool" / "run-7"
+    monkeypatch.setenv("EVALDAG_HOME", str(tmp_path / "state"))   # the state folder of the local stack wins
+    assert CheckpointNotifier("run-7", api_url="http://127.0.0.1:1/api").spool_dir == \
+        tmp_path / "state" / "spool" / "run-7"
 
 
 def test_background_flush_is_opt_in_and_delivers(tmp_path):

@@ -188,3 +188,25 @@ def test_sweeper_evaluates_checkpoints_nobody_announced(triggers):
     assert again.state.is_completed()
     time.sleep(3)
     assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "quiet-run"]) == 1
+
+
+def test_prefect_server_restart_loses_no_event(triggers):
+    """The real server goes down while the trainer notifies; after `evaldag up` restarts it, the spooled event is
+    delivered and evaluated. Last in this module: it restarts the shared stack's server."""
+    import psutil
+
+    from evaldag.stack import PREFECT_SERVER
+
+    ckpt = _checkpoint("restart-run", 400)
+    spool = ROOT.parent / "spool-d"
+    notifier = CheckpointNotifier(train_run="restart-run", api_url=triggers.settings.prefect_api_url,
+                                  benchmarks=["math500"], spool_dir=spool, max_block_s=2.0)
+    [server] = [s for s in triggers.status() if s.component == PREFECT_SERVER]
+    psutil.Process(server.pid).terminate()
+    _wait_for(lambda: not any(s.healthy for s in triggers.status() if s.component == PREFECT_SERVER), timeout=60)
+    notifier.notify(ckpt, step=400)
+    assert len(notifier.pending()) == 1
+    triggers.up(deploy=False)                      # restarts the dead server, keeps the rest
+    assert notifier.flush() == 1 and notifier.pending() == []
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "restart-run")
+    assert evaluation.state.is_completed(), evaluation.state.message

@@ -77,8 +77,10 @@ class HFEngine:
         order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
         results: list[list[Completion] | None] = [None] * len(texts)
         done, tokens, start = 0, 0, time.perf_counter()
-        for b, lo in enumerate(range(0, len(order), self.batch_size)):
-            idx = order[lo:lo + self.batch_size]
+        # batch_size counts sequences: with n samples per prompt, a batch holds batch_size // n prompts
+        per_batch = max(1, self.batch_size // sampling.n)
+        for b, lo in enumerate(range(0, len(order), per_batch)):
+            idx = order[lo:lo + per_batch]
             batch = self._generate_batch([texts[i] for i in idx], sampling, seed=sampling.seed + b)
             for i, comps in zip(idx, batch):
                 results[i] = comps
