@@ -99,6 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every-epochs", type=int, default=None)
     p.add_argument("--save-every-secs", type=float, default=None)
     p.add_argument("--benchmarks", default="gsm8k", help="comma-separated benchmarks to evaluate each checkpoint on")
+    p.add_argument("--eval-limit", type=int, default=None,
+                   help="ask for quick evaluations of the first N problems only (sent in the event; default: all)")
     p.add_argument("--api-url", default=os.environ.get("PREFECT_API_URL"),
                    help="Prefect API URL (default: $PREFECT_API_URL); without one, events are spooled")
     p.add_argument("--seed", type=int, default=0)
@@ -405,7 +407,8 @@ def run(args: argparse.Namespace) -> int:
             if path is not None:
                 saves += 1
                 last_saved_step = global_step
-                event_id = notifier.notify(path, global_step, epoch=epochs_done, model=base_model)
+                extra = {"limit": args.eval_limit} if args.eval_limit else {}
+                event_id = notifier.notify(path, global_step, epoch=epochs_done, model=base_model, **extra)
                 print(f"[save] {path} ({', '.join(trigger.last_reasons)}) in {time.perf_counter() - t0:.1f} s; "
                       f"event {event_id}", flush=True)
             window["start"] += time.perf_counter() - t0     # saving time does not count against tokens/s
