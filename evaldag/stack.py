@@ -181,6 +181,7 @@ class Stack:
         self.home = Path(self.settings.home).expanduser().resolve()
         self.state_dir = self.home / "stack"
         self.state_path = self.state_dir / "state.json"
+        self.env_path = self.state_dir / "worker-env.json"
         self.logs_dir = self.home / "logs"
 
     # ------------------------------------------------------------------ public API
@@ -365,10 +366,10 @@ class Stack:
         specs[MLFLOW_SERVER] = _Spec(MLFLOW_SERVER, "server", argv, env, home, s.mlflow_url, s.mlflow_port,
                                      key={"argv": argv, "env": env})
 
-        passthrough = {k: v for k, v in os.environ.items() if k.startswith("EVALDAG_") and k not in _STACK_ENV}
+        passthrough = self._worker_settings()
         # where checkpoint events may point: examples/train_sft.py writes to <repo>/runs unless told otherwise
-        repo["EVALDAG_CHECKPOINT_ROOTS"] = os.environ.get("EVALDAG_CHECKPOINT_ROOTS", str(paths.REPO_ROOT / "runs"))
-        worker_env = {**common, **repo, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
+        passthrough.setdefault("EVALDAG_CHECKPOINT_ROOTS", str(paths.REPO_ROOT / "runs"))
+        worker_env = {**passthrough, **common, **repo, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
                       "MLFLOW_TRACKING_URI": s.mlflow_url,
                       "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}",
                       # progress lines of the core (generation tok/s per batch) reach the Prefect UI too
@@ -384,6 +385,20 @@ class Stack:
             specs[name] = _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
                                 key={"argv": argv, "env": env, "passthrough": passthrough})
         return specs
+
+    def _worker_settings(self) -> dict[str, str]:
+        """EVALDAG_* settings for the workers (data mirror, checkpoint roots, ...): the caller's, else remembered.
+
+        Remembered in <home>/stack/worker-env.json, so a later bare `evaldag up` (another shell, without the
+        Makefile's exports) keeps the workers as they were instead of restarting them without the data mirror.
+        To drop a setting, set it to an empty value.
+        """
+        saved = json.loads(self.env_path.read_text()) if self.env_path.is_file() else {}
+        current = {k: v for k, v in os.environ.items() if k.startswith("EVALDAG_") and k not in _STACK_ENV}
+        merged = {k: v for k, v in {**saved, **current}.items() if v != ""}
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.env_path.write_text(json.dumps(merged, indent=2, sort_keys=True))
+        return merged
 
     # ------------------------------------------------------------------ processes
 

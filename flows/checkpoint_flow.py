@@ -33,4 +33,6 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
         overrides["limit"] = min(limit, overrides.get("limit") or limit)
     if ckpt.mlflow_parent_run_id:   # the trainer made its own MLflow run for the job: log the curves there
         overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id
-    return [start_evaluation(b, ckpt.path, ckpt.step, ckpt.train_run, overrides) for b in benchmarks]
+    # a repeated event after a failed evaluation means "try again"; after a completed one it starts nothing
+    return [start_evaluation(b, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True)
+            for b in benchmarks]

@@ -133,12 +133,16 @@ def test_workers_get_env_and_default_sigint(stack):
     assert procs[MLFLOW_SERVER].environ()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
 
 
-def test_second_up_starts_nothing(stack):
+def test_second_up_starts_nothing(stack, monkeypatch):
     before = _pids(stack)
     report = stack.up(deploy=False)
     assert report.started == []
     assert sorted(report.kept) == sorted(ALL)
     assert _pids(stack) == before
+    # from another shell without the EVALDAG_* exports: the remembered settings keep the workers as they are
+    monkeypatch.delenv("EVALDAG_DATA_DIR")
+    report = stack.up(deploy=False)
+    assert report.started == [] and _pids(stack) == before
 
 
 def test_status_and_cli_status(stack):
