@@ -51,18 +51,29 @@ def _record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> Non
     _write_json(path, record)
 
 
+def _stage_lock(out: Path):
+    """An exclusive lock next to a stage's output: two identical evaluations running at once compute it once (the
+    second waits, then finds the file). File locks hold across processes on one machine and on a shared POSIX
+    filesystem."""
+    from filelock import FileLock
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(out) + ".lock")
+
+
 def generate_shard(plan: EvalPlan, shard: int) -> Path:
     """Generate `n` completions for every problem of one shard; write and return the generations file.
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
     """
     out = plan.generations_path(shard)
-    if out.is_file():
-        log.info("shard %d: generations already in %s, reusing them", shard, out)
-        _record_stage(plan, shard, "generate", computed=False)
-    else:
-        _generate(plan, shard, out)
-        _record_stage(plan, shard, "generate", computed=True)
+    with _stage_lock(out):
+        if out.is_file():
+            log.info("shard %d: generations already in %s, reusing them", shard, out)
+            _record_stage(plan, shard, "generate", computed=False)
+        else:
+            _generate(plan, shard, out)
+            _record_stage(plan, shard, "generate", computed=True)
     if plan.reference is not None:
         score_shard(plan, shard)
     return out
@@ -102,9 +113,14 @@ def _generate(plan: EvalPlan, shard: int, out: Path) -> None:
 def score_shard(plan: EvalPlan, shard: int) -> Path:
     """Per-token log-probs of the shard's completions under the evaluated model and the reference model."""
     out = plan.logprobs_path(shard)
-    if out.is_file():
-        _record_stage(plan, shard, "score", computed=False)
-        return out
+    with _stage_lock(out):
+        if out.is_file():
+            _record_stage(plan, shard, "score", computed=False)
+            return out
+        return _score(plan, shard, out)
+
+
+def _score(plan: EvalPlan, shard: int, out: Path) -> Path:
     from evaldag.engines import load_engine
     from evaldag.errors import ConfigError
 
@@ -133,10 +149,15 @@ def score_shard(plan: EvalPlan, shard: int) -> Path:
 def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> Path:
     """Grade one shard's generations (and group equivalent answers for maj@k); write and return the graded file."""
     out = plan.graded_path(shard)
-    if out.is_file():
-        log.info("shard %d: grades already in %s, reusing them", shard, out)
-        _record_stage(plan, shard, "grade", computed=False)
-        return out
+    with _stage_lock(out):
+        if out.is_file():
+            log.info("shard %d: grades already in %s, reusing them", shard, out)
+            _record_stage(plan, shard, "grade", computed=False)
+            return out
+        return _grade(plan, shard, out, workers)
+
+
+def _grade(plan: EvalPlan, shard: int, out: Path, workers: int) -> Path:
     from evaldag.grading import grade_table
     from evaldag.sampling_metrics import assign_answer_groups
 
