@@ -45,6 +45,15 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def complete_checkpoint(folder: Path) -> Path:
+    """A tiny folder that passes checkpoint validation (config, weights, tokenizer); not a loadable model."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    (folder / "model.safetensors").write_bytes(b"w" * 64)
+    (folder / "tokenizer.json").write_text("{}")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def live_stack():
     """The real local stack with everything in deployments/ deployed; clients in this process point at it."""

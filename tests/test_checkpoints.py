@@ -8,17 +8,13 @@ import os
 
 import pytest
 
+from conftest import complete_checkpoint
 from evaldag.checkpoints import (CheckpointEvent, allowed_roots_from_env, discover_checkpoints, parse_step,
                                  validate_checkpoint_event)
 from evaldag.errors import CheckpointError, EvalDagError
 
 
-def _complete(folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (folder / "model.safetensors").write_bytes(b"w" * 64)
-    (folder / "tokenizer.json").write_text("{}")
-    return folder
+_complete = complete_checkpoint
 
 
 @pytest.fixture

@@ -6,16 +6,12 @@ import json
 
 import pytest
 
+from conftest import complete_checkpoint
 from evaldag.errors import CheckpointError
 from evaldag.models import fingerprint, resolve_model, validate_checkpoint
 
 
-def _complete(folder):
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    (folder / "model.safetensors").write_bytes(b"w" * 64)
-    (folder / "tokenizer.json").write_text("{}")
-    return folder
+_complete = complete_checkpoint
 
 
 def test_complete_folder_passes(tmp_path):

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from conftest import complete_checkpoint
 from evaldag import engines, paths
 from evaldag.engines.base import Completion
 from evaldag.plan import EvalRequest, resolve
@@ -34,11 +35,7 @@ class CountingEngine:
 
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text("{}")
-    (ckpt / "model.safetensors").write_bytes(b"w" * 32)
-    (ckpt / "tokenizer.json").write_text("{}")
+    ckpt = complete_checkpoint(tmp_path / "ckpt")
     CountingEngine.calls = 0
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: CountingEngine())
     configs = tmp_path / "configs"
