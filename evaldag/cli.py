@@ -192,6 +192,20 @@ def flush_events(
 
 
 @app.command()
+def sync() -> None:
+    """Log to MLflow every finished evaluation of the result store that MLflow lacks (after a tracking outage)."""
+    from evaldag import paths, runner
+    from evaldag.stack import Stack
+    from evaldag.tracking import sync as sync_runs
+
+    runner.point_clients_at_stack(Stack(), need_prefect=False)
+    created = sync_runs(paths.results_dir())
+    for run in created:
+        typer.echo(f"logged {run.url or run.run_id}")
+    typer.echo(f"{len(created)} evaluation(s) logged; everything else was already in MLflow")
+
+
+@app.command()
 def compare(
     benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", "-b", help="only these benchmarks")] = None,
     train_run: Annotated[Optional[str], typer.Option(help="only this training job")] = None,

@@ -373,7 +373,10 @@ class Stack:
                       "MLFLOW_TRACKING_URI": s.mlflow_url,
                       "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}",
                       # progress lines of the core (generation tok/s per batch) reach the Prefect UI too
-                      "PREFECT_LOGGING_EXTRA_LOGGERS": "evaldag"}
+                      "PREFECT_LOGGING_EXTRA_LOGGERS": "evaldag",
+                      # fail an MLflow call within seconds and let the track task's backoff retry it, instead of
+                      # MLflow's own retries blocking a worker slot for minutes
+                      "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
         workers = [(CPU_WORKER, "cpu", s.cpu_worker_limit, None)]
         workers += [(f"gpu-worker-{i}", "gpu", 1, s.gpus[i] if s.gpus else None) for i in range(s.gpu_workers)]
         for name, pool, limit, gpu in workers:

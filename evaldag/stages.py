@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import shutil
 import time
 from pathlib import Path
 
@@ -80,34 +81,49 @@ def generate_shard(plan: EvalPlan, shard: int) -> Path:
 
 
 def _generate(plan: EvalPlan, shard: int, out: Path) -> None:
+    """Generate batch by batch, each batch written as its own parquet chunk before the next starts: a shard killed
+    midway (node loss, OOM, kill -9) resumes from its last complete chunk, and since batches and their seeds are
+    deterministic the resumed output equals an uninterrupted one."""
     from evaldag.engines import load_engine
 
     inputs = plan.shard_inputs(shard)
+    prompts = inputs["prompt"].to_list()
     model = plan.resolved_model
     t0 = time.perf_counter()
     engine = load_engine(model.engine, model.path, model.dtype, model.batch_size)
     load_s = time.perf_counter() - t0
-
-    def progress(done: int, total: int, tokens: int, secs: float) -> None:
-        log.info("shard %d: %d/%d prompts, %d tokens, %.0f tok/s", shard, done, total, tokens,
-                 tokens / secs if secs else 0.0)
-
-    t1 = time.perf_counter()
-    completions = engine.generate(inputs["prompt"].to_list(), plan.sampling, progress=progress)
+    chunks = out.with_name(out.stem + ".chunks")
+    batches = engine.plan_batches(prompts, plan.sampling)
+    t1, tokens, resumed = time.perf_counter(), 0, 0
+    records = inputs.to_dicts()
+    for b, idx in enumerate(batches):
+        chunk = chunks / f"batch-{b:05d}-of-{len(batches):05d}.parquet"
+        if chunk.is_file():
+            resumed += 1
+            continue
+        completions = engine.generate_batch([prompts[i] for i in idx], plan.sampling, b)
+        rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
+                 "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+                 "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
+                 "latency_s": c.latency_s, "batch_size": c.batch_size}
+                for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
+        write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk, GENERATION_SCHEMA)
+        tokens += sum(r["completion_tokens"] for r in rows)
+        log.info("shard %d: batch %d/%d done, %d tokens, %.0f tok/s", shard, b + 1, len(batches), tokens,
+                 tokens / (time.perf_counter() - t1))
     gen_s = time.perf_counter() - t1
     engine.close()
-    rows = []
-    for rec, comps in zip(inputs.iter_rows(named=True), completions):
-        for k, c in enumerate(comps):
-            rows.append({**rec, "sample_index": k, "shard_index": shard, "completion": c.text,
-                         "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
-                         "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
-                         "latency_s": c.latency_s, "batch_size": c.batch_size})
-    df = pl.DataFrame(rows, schema=GENERATION_SCHEMA)
+    order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"))])
+          .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
+    if df.height != inputs.height * plan.sampling.n:
+        raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
+                           f"{inputs.height * plan.sampling.n}; delete that folder to regenerate the shard")
     write_table(df, out, GENERATION_SCHEMA)
     _write_json(plan.stats_path("generate", shard), {
-        "model_load_s": load_s, "generation_s": gen_s, "generation_tokens": float(df["completion_tokens"].sum()),
-        "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
+        "model_load_s": load_s, "generation_s": gen_s, "generation_tokens": float(tokens),
+        "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
+    shutil.rmtree(chunks, ignore_errors=True)
 
 
 def score_shard(plan: EvalPlan, shard: int) -> Path:

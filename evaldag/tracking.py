@@ -247,6 +247,22 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
 
 
+def sync(results_root: Path) -> list[TrackedRun]:
+    """Log every finished evaluation in the result store that MLflow does not have yet (e.g. the tracking server
+    was down longer than the track task's retries); returns the runs it created."""
+    from evaldag.plan import load_plan
+
+    created = []
+    for metrics_file in sorted(results_root.glob("*/*/metrics.json")):
+        plan_file = metrics_file.with_name("plan.json")
+        if not plan_file.is_file():
+            continue
+        run = track(load_plan(plan_file), json.loads(metrics_file.read_text()))
+        if run.created:
+            created.append(run)
+    return created
+
+
 def _url(uri: str, exp_id: str, run_id: str) -> str | None:
     if uri.startswith("http"):
         return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"

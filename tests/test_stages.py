@@ -18,16 +18,23 @@ from evaldag.stages import generate_shard, grade_shard
 
 
 class CountingEngine:
-    """A stand-in engine that answers "\\boxed{<n>}" slowly and counts its generate calls."""
+    """A stand-in engine: batches of 2 prompts, answers derived from the prompt and the batch seed, slow enough for
+    a concurrent duplicate to arrive meanwhile; counts batches and can crash at a chosen batch."""
 
-    calls = 0
+    calls = 0            # generate_batch calls
+    crash_at = None      # batch index that raises (a node dying mid-shard)
 
-    def generate(self, prompts, sampling, progress=None):
+    def plan_batches(self, prompts, sampling):
+        return [list(range(lo, min(lo + 2, len(prompts)))) for lo in range(0, len(prompts), 2)]
+
+    def generate_batch(self, prompts, sampling, batch_index):
+        if batch_index == type(self).crash_at:
+            raise ConnectionError("node lost")
         type(self).calls += 1
-        time.sleep(0.5)     # long enough for a concurrent duplicate to arrive while this one runs
-        return [[Completion(text=f"The answer is $\\boxed{{{i}}}$.", token_ids=[1, 2, 3], prompt_tokens=5,
-                            completion_tokens=3, finish_reason="stop", latency_s=0.5, batch_size=len(prompts))
-                 for _ in range(sampling.n)] for i, _ in enumerate(prompts)]
+        time.sleep(0.3)
+        return [[Completion(text=f"{len(p)}-{sampling.seed + batch_index}-{k}", token_ids=[1, 2, 3],
+                            prompt_tokens=5, completion_tokens=3, finish_reason="stop", latency_s=0.3,
+                            batch_size=len(prompts)) for k in range(sampling.n)] for p in prompts]
 
     def close(self):
         pass
@@ -36,7 +43,7 @@ class CountingEngine:
 @pytest.fixture
 def setup(tmp_path, monkeypatch):
     ckpt = complete_checkpoint(tmp_path / "ckpt")
-    CountingEngine.calls = 0
+    CountingEngine.calls, CountingEngine.crash_at = 0, None
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: CountingEngine())
     configs = tmp_path / "configs"
     shutil.copytree(paths.REPO_ROOT / "configs", configs)
@@ -57,7 +64,7 @@ def test_identical_evaluations_at_once_generate_once(setup):
         t.start()
     for t in threads:
         t.join()
-    assert CountingEngine.calls == 1
+    assert CountingEngine.calls == 2          # 3 problems in batches of 2: generated once, not twice
     assert out[0] == out[1] and out[0].is_file()
 
 
@@ -72,7 +79,29 @@ def test_grading_change_regrades_without_regenerating(setup):
     assert changed.generation_key == plan.generation_key and changed.grade_key != plan.grade_key
     generate_shard(changed, 0)
     second = grade_shard(changed, 0, workers=0)
-    assert CountingEngine.calls == 1                  # generations reused
+    assert CountingEngine.calls == 2                  # generations reused (2 batches, generated once)
     assert second != first and second.is_file()       # grades recomputed into their own file
     record = json.loads(changed.cache_record_path(0).read_text())
     assert record == {"generate": "reused", "grade": "computed"}
+
+
+def test_killed_shard_resumes_from_its_last_batch(setup):
+    """A shard that dies after its first batch regenerates only the rest, and the result equals a clean run."""
+    import polars as pl
+
+    ckpt, _, results = setup
+    plan = _plan(ckpt, results)
+    CountingEngine.crash_at = 1
+    with pytest.raises(ConnectionError):
+        generate_shard(plan, 0)
+    assert CountingEngine.calls == 1 and not plan.generations_path(0).exists()
+    CountingEngine.crash_at = None
+    resumed = pl.read_parquet(generate_shard(plan, 0))
+    assert CountingEngine.calls == 2                          # only the missing batch
+    stats = json.loads(plan.stats_path("generate", 0).read_text())
+    assert stats["resumed_batches"] == 1
+
+    clean_plan = _plan(ckpt, results.parent / "clean")
+    clean = pl.read_parquet(generate_shard(clean_plan, 0))
+    assert resumed.drop("latency_s").equals(clean.drop("latency_s"))
+    assert resumed.height == 3 and resumed["sample_id"].n_unique() == 3

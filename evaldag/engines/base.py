@@ -28,6 +28,15 @@ Progress = Callable[[int, int, int, float], None]
 class Engine(Protocol):
     """What every engine offers; `generate` returns, per prompt, `sampling.n` completions in input order."""
 
+    def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
+        """The deterministic batches `generate` would use (indexes into `prompts`)."""
+        ...
+
+    def generate_batch(self, prompts: list[str], sampling: SamplingConfig,
+                       batch_index: int) -> list[list[Completion]]:
+        """One batch of the plan, seeded by its index (so a re-run batch repeats itself)."""
+        ...
+
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]: ...
 

@@ -68,26 +68,35 @@ class HFEngine:
                                                       add_generation_prompt=True)
         return prompt
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig,
-                 progress: Progress | None = None) -> list[list[Completion]]:
-        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
+    def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
+        """Deterministic batches (indexes into `prompts`): sorted by token length, batch_size sequences each."""
         texts = [self._format(p) for p in prompts]
         # The chat template already holds the special tokens; adding them again would double the BOS.
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-        results: list[list[Completion] | None] = [None] * len(texts)
-        done, tokens, start = 0, 0, time.perf_counter()
         # batch_size counts sequences: with n samples per prompt, a batch holds batch_size // n prompts
         per_batch = max(1, self.batch_size // sampling.n)
-        for b, lo in enumerate(range(0, len(order), per_batch)):
-            idx = order[lo:lo + per_batch]
-            batch = self._generate_batch([texts[i] for i in idx], sampling, seed=sampling.seed + b)
+        return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
+
+    def generate_batch(self, prompts: list[str], sampling: SamplingConfig,
+                       batch_index: int) -> list[list[Completion]]:
+        """One batch of a plan_batches() plan; the seed depends on the batch's index, so a batch generated again
+        (after a crash) gives the same completions as the first time."""
+        return self._generate_batch([self._format(p) for p in prompts], sampling, seed=sampling.seed + batch_index)
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
+        results: list[list[Completion] | None] = [None] * len(prompts)
+        done, tokens, start = 0, 0, time.perf_counter()
+        for b, idx in enumerate(self.plan_batches(prompts, sampling)):
+            batch = self.generate_batch([prompts[i] for i in idx], sampling, b)
             for i, comps in zip(idx, batch):
                 results[i] = comps
                 tokens += sum(c.completion_tokens for c in comps)
             done += len(idx)
             if progress:
-                progress(done, len(texts), tokens, time.perf_counter() - start)
+                progress(done, len(prompts), tokens, time.perf_counter() - start)
         return results  # type: ignore[return-value]
 
     def _generate_batch(self, texts: list[str], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
