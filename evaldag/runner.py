@@ -73,11 +73,14 @@ def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stac
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
-    if not runs:  # the evaluation existed already: its MLflow run carries the flow run id of the first one
-        console.print(f"completed in {wall_s:.0f} s; the evaluation was already logged, see {stack.mlflow_url}")
+    runs = [r for tag in ("prefect.flow_run_id", "prefect.last_flow_run_id")
+            for r in client.search_runs([exp.experiment_id], filter_string=f"tags.`{tag}` = '{flow_run_id}'")]
+    if not runs:
+        console.print(f"completed in {wall_s:.0f} s, but no MLflow run names this flow run; see {stack.mlflow_url}")
         return
     run = runs[0]
+    if run.data.tags.get("prefect.flow_run_id") != flow_run_id:
+        console.print("this evaluation was computed and logged before: nothing was recomputed")
     m = run.data.metrics
     table = Table(title=f"{run.data.tags.get('model')} on {benchmark} (step {int(m.get('step', 0))})")
     table.add_column("metric")

@@ -171,6 +171,8 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     existing = find_run(client, exp_id, plan.eval_key)
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     if existing is not None and existing.info.status == "FINISHED":
+        if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
+            client.set_tag(existing.info.run_id, "prefect.last_flow_run_id", flow_run_id)
         return TrackedRun(existing.info.run_id, exp_id, False, _url(uri, exp_id, existing.info.run_id))
     model = plan.resolved_model
     step = plan.request.step

@@ -184,6 +184,11 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
     assert f"Prefect UI: {live_stack.prefect_url}/runs/flow-run/" in out
     assert f"MLflow UI:  {live_stack.mlflow_url}/#/experiments/" in out
 
+    again = subprocess.run([evaldag, "run", "math500", "--limit", "2", "--num-shards", "1", "--step", "3",
+                            "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "logged before" in again.stdout and "accuracy" in again.stdout     # same evaluation: reused, reported
+
     bad = subprocess.run([evaldag, "run", "math5000"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1
     assert "cannot start eval/math5000" in bad.stderr and "Traceback" not in bad.stderr
