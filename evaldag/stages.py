@@ -190,21 +190,23 @@ def _grade(plan: EvalPlan, shard: int, out: Path, workers: int) -> Path:
     return out
 
 
+_STAT_COLUMNS = ("model_load_s", "generation_s", "generation_tokens", "grading_s", "grading_samples", "scoring_s",
+                 "peak_rss_mb", "peak_gpu_mb")
+
+
 def _stats_table(plan: EvalPlan) -> pl.DataFrame:
     """One row per shard with every stage's figures (missing figures are 0: e.g. no scoring without reference)."""
     rows = []
     for i in range(plan.num_shards):
-        row: dict = {"shard_index": i}
+        row: dict = {"shard_index": i, **dict.fromkeys(_STAT_COLUMNS, 0.0)}
         for stage in ("generate", "grade", "score"):
             path = plan.stats_path(stage, i)
             if path.is_file():
                 stats = json.loads(path.read_text())
-                row["peak_rss_mb"] = max(row.get("peak_rss_mb", 0.0), stats.pop("peak_rss_mb", 0.0))
+                row["peak_rss_mb"] = max(row["peak_rss_mb"], stats.pop("peak_rss_mb", 0.0))
                 row.update(stats)
         rows.append(row)
-    cols = ("model_load_s", "generation_s", "generation_tokens", "grading_s", "grading_samples", "scoring_s",
-            "peak_rss_mb", "peak_gpu_mb")
-    return pl.DataFrame(rows).with_columns([pl.lit(0.0).alias(c) for c in cols if c not in pl.DataFrame(rows).columns])
+    return pl.DataFrame(rows)
 
 
 def _cache_hit_rate(plan: EvalPlan) -> float:
