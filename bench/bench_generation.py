@@ -27,7 +27,6 @@ def main() -> None:
 
     from evaldag.config import SamplingConfig, load_benchmark
     from evaldag.datasets import load_benchmark_rows
-    from evaldag.engines import load_engine
     from evaldag.models import resolve_model
 
     prompts = load_benchmark_rows(load_benchmark("math500"), limit=args.prompts).inputs["prompt"].to_list()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from evaldag import config as cfgmod
 from evaldag import paths
-from evaldag.errors import CheckpointError, ConfigError
+from evaldag.errors import CheckpointError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -192,4 +192,4 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
                          dtype=defaults.dtype, engine=defaults.engine, batch_size=defaults.batch_size)
 
 
-__all__ = ["ResolvedModel", "resolve_model", "validate_checkpoint", "fingerprint", "prepare_alias", "ConfigError"]
+__all__ = ["ResolvedModel", "resolve_model", "validate_checkpoint", "fingerprint", "prepare_alias"]
