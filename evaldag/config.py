@@ -98,8 +98,11 @@ class ModelConfig(_Strict):
     hub_id: str | None = Field(None, description="model id on the hub (source hub)")
     revision: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    engine: Literal["hf"] = "hf"
-    batch_size: int = Field(32, ge=1, le=4096, description="prompts per generate() call")
+    engine: Literal["hf", "vllm"] = "hf"
+    batch_size: int = Field(32, ge=1, le=4096, description="sequences per generate() call (prompts x n)")
+    engine_args: dict = Field(default_factory=dict,
+                              description="engine-specific settings, e.g. vllm's tensor_parallel_size or "
+                                          "gpu_memory_utilization; validated by the engine")
 
     @model_validator(mode="after")
     def _source_fields(self) -> "ModelConfig":

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from evaldag import config as cfgmod
@@ -36,6 +36,7 @@ class ResolvedModel:
     dtype: str
     engine: str
     batch_size: int
+    engine_args: dict = field(default_factory=dict)   # engine-specific settings (ModelConfig.engine_args)
 
 
 def validate_checkpoint(folder: Path) -> None:
@@ -180,7 +181,8 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
         folder = prepare_alias(alias)
         validate_checkpoint(folder)
         return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder), dtype=alias.dtype,
-                             engine=alias.engine, batch_size=alias.batch_size)
+                             engine=alias.engine, batch_size=alias.batch_size,
+                             engine_args=dict(alias.engine_args))
     folder = Path(checkpoint).expanduser()
     if not looks_like_path and not folder.exists():
         raise CheckpointError(f"checkpoint {checkpoint!r} is neither a model alias "

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -39,6 +41,8 @@ class EvalRequest(BaseModel):
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
     pass_k: list[int] | None = Field(None, description="ks for pass@k and maj@k (each 1 <= k <= n)")
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
+    engine: Literal["hf", "vllm"] | None = Field(None, description="inference engine for this run; default: the "
+                                                                   "model config's (hf for a plain folder)")
     train_run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
                                   description="training job the checkpoint belongs to; default: its parent folder")
     mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
@@ -142,6 +146,8 @@ def resolve(request: EvalRequest, results_root: Path | None = None) -> EvalPlan:
     bench = load_benchmark(request.benchmark)
     sampling = merge_sampling(bench.sampling, request.sampling)
     model = resolve_model(request.checkpoint)
+    if request.engine and request.engine != model.engine:
+        model = replace(model, engine=request.engine)
     data = load_benchmark_rows(bench, request.limit)
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
@@ -155,7 +161,7 @@ def resolve(request: EvalRequest, results_root: Path | None = None) -> EvalPlan:
         "dataset_hash": data.dataset_hash,
         "sample_ids": data.inputs["sample_id"].to_list(),
         "model_fingerprint": model.fingerprint,
-        "engine": [model.engine, model.dtype, model.batch_size],
+        "engine": [model.engine, model.dtype, model.batch_size, model.engine_args],
         "sampling": sampling.model_dump(),
         "shards": shards,   # batch composition changes greedy outputs slightly, so it is part of the identity
     })

@@ -90,7 +90,7 @@ def _generate(plan: EvalPlan, shard: int, out: Path) -> None:
     prompts = inputs["prompt"].to_list()
     model = plan.resolved_model
     t0 = time.perf_counter()
-    engine = load_engine(model.engine, model.path, model.dtype, model.batch_size)
+    engine = load_engine(model.engine, model.path, model.dtype, model.batch_size, model.engine_args)
     load_s = time.perf_counter() - t0
     chunks = out.with_name(out.stem + ".chunks")
     batches = engine.plan_batches(prompts, plan.sampling)
@@ -145,7 +145,7 @@ def _score(plan: EvalPlan, shard: int, out: Path) -> Path:
     t0 = time.perf_counter()
     scores, vocab = [], []
     for m in (plan.resolved_model, plan.resolved_reference):
-        engine = load_engine(m.engine, m.path, m.dtype, m.batch_size)
+        engine = load_engine(m.engine, m.path, m.dtype, m.batch_size, m.engine_args)
         vocab.append(engine.vocabulary_fingerprint())
         if len(vocab) == 2 and vocab[0] != vocab[1]:
             raise ConfigError(f"reference model {m.path} has a different tokenizer than the evaluated model; "

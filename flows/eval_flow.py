@@ -34,6 +34,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     reference: str | None = None,
     train_run: str | None = None,
     mlflow_parent_run_id: str | None = None,
+    engine: Literal["hf", "vllm"] | None = None,
     dispatch: Literal["deployment", "inline"] = "deployment",
 ) -> dict:
     """Evaluate one checkpoint on one benchmark and log it to MLflow; returns the headline figures.
@@ -43,7 +44,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     """
     request = EvalRequest.parse(benchmark=benchmark, checkpoint=checkpoint, step=step, limit=limit,
                                 num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
-                                train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id)
+                                train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id,
+                                engine=engine)
     plan_path = resolve_task(request)
     plan = load_plan(plan_path)
     shards = list(range(plan.num_shards))

@@ -13,8 +13,9 @@ _ENGINES = {
 }
 
 
-def load_engine(name: str, model_path: str, dtype: str, batch_size: int) -> Engine:
-    """Create the engine `name` for the checkpoint folder `model_path`."""
+def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
+                engine_args: dict | None = None) -> Engine:
+    """Create the engine `name` for the checkpoint folder `model_path`; `engine_args` are its own settings."""
     if name not in _ENGINES:
         raise ConfigError(f"unknown engine {name!r}; available: {', '.join(sorted(_ENGINES))}")
     module, cls, install = _ENGINES[name]
@@ -22,7 +23,7 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int) -> Engi
         mod = importlib.import_module(module)
     except ImportError as e:
         raise MissingDependencyError(f"engine {name!r} needs {e.name}: {install}") from None
-    return getattr(mod, cls)(model_path=model_path, dtype=dtype, batch_size=batch_size)
+    return getattr(mod, cls)(model_path=model_path, dtype=dtype, batch_size=batch_size, **(engine_args or {}))
 
 
 __all__ = ["Completion", "Engine", "load_engine"]
