@@ -19,10 +19,11 @@ def models_dir() -> Path:
     return Path(env).expanduser().resolve() if env else home() / "models"
 
 
-def results_dir() -> Path:
-    """Result store of stage outputs: `$EVALDAG_RESULTS_DIR`, default `<home>/results`."""
-    env = os.environ.get("EVALDAG_RESULTS_DIR")
-    return Path(env).expanduser().resolve() if env else home() / "results"
+def results_dir():
+    """The result store's root (see evaldag.store.root): `$EVALDAG_RESULTS_URL`, default `<home>/results`."""
+    from evaldag import store
+
+    return store.root()
 
 
 def configs_dir() -> Path:

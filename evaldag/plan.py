@@ -9,13 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
+from os import PathLike
 from pathlib import Path
 from typing import Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from upath import UPath
 
-from evaldag import __version__, paths
+from evaldag import __version__, store
 from evaldag.config import BenchmarkConfig, SamplingConfig, _format_validation, load_benchmark, merge_sampling
 from evaldag.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
@@ -86,32 +88,33 @@ class EvalPlan(BaseModel):
     def resolved_model(self) -> ResolvedModel:
         return ResolvedModel(**self.model)
 
-    def path(self, name: str) -> Path:
-        return Path(self.result_dir) / name
+    def path(self, name: str) -> UPath:
+        """A file of this evaluation's folder in the result store."""
+        return store.as_path(self.result_dir) / name
 
     @property
     def resolved_reference(self) -> ResolvedModel | None:
         return ResolvedModel(**self.reference) if self.reference else None
 
-    def _stage(self, name: str, shard: int, ext: str = "parquet") -> Path:
-        return Path(self.stage_dir) / f"{name}-{shard:04d}-of-{self.num_shards:04d}.{ext}"
+    def _stage(self, name: str, shard: int, ext: str = "parquet") -> UPath:
+        return store.as_path(self.stage_dir) / f"{name}-{shard:04d}-of-{self.num_shards:04d}.{ext}"
 
-    def generations_path(self, shard: int) -> Path:
+    def generations_path(self, shard: int) -> UPath:
         return self._stage("generations", shard)
 
-    def graded_path(self, shard: int) -> Path:
+    def graded_path(self, shard: int) -> UPath:
         return self._stage(f"graded-{self.grade_key[:12]}", shard)
 
-    def logprobs_path(self, shard: int) -> Path:
+    def logprobs_path(self, shard: int) -> UPath:
         ref = self.resolved_reference
         return self._stage(f"logprobs-{ref.fingerprint[:12]}", shard)
 
-    def stats_path(self, stage: str, shard: int) -> Path:
+    def stats_path(self, stage: str, shard: int) -> UPath:
         """Figures of one stage of one shard (wall time, tokens, memory), kept beside its output."""
         tag = {"generate": "generations", "grade": f"graded-{self.grade_key[:12]}"}.get(stage, stage)
         return self._stage(f"stats-{tag}", shard, "json")
 
-    def cache_record_path(self, shard: int) -> Path:
+    def cache_record_path(self, shard: int) -> UPath:
         """Which stages of this shard this evaluation computed and which it found done (cache hit rate)."""
         return self.path(f"shards/stages-{shard:04d}.json")
 
@@ -141,7 +144,7 @@ def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
     return [s for s in shards if s]
 
 
-def resolve(request: EvalRequest, results_root: Path | None = None) -> EvalPlan:
+def resolve(request: EvalRequest, results_root: str | PathLike | None = None) -> EvalPlan:
     """Run the resolve stage: load config, model and data; write plan.json and inputs.parquet; return the plan."""
     bench = load_benchmark(request.benchmark)
     sampling = merge_sampling(bench.sampling, request.sampling)
@@ -174,7 +177,7 @@ def resolve(request: EvalRequest, results_root: Path | None = None) -> EvalPlan:
         "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
         "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
     })
-    root = results_root or paths.results_dir()
+    root = store.as_path(results_root) if results_root is not None else store.root()
     plan = EvalPlan(
         eval_key=eval_key, request=request, benchmark=bench, model=model.__dict__, sampling=sampling,
         num_shards=len(shards), dataset_hash=data.dataset_hash, dataset_source=data.source,
@@ -183,9 +186,7 @@ def resolve(request: EvalRequest, results_root: Path | None = None) -> EvalPlan:
         result_dir=str(root / bench.name / eval_key[:24]), stage_dir=str(root / bench.name / f"gen-{generation_key[:24]}"),
     )
     write_table(data.inputs, plan.path("inputs.parquet"), INPUT_SCHEMA)
-    tmp = plan.path("plan.json.tmp")
-    tmp.write_text(plan.model_dump_json(indent=2))
-    tmp.replace(plan.path("plan.json"))
+    store.write_text(plan.path("plan.json"), plan.model_dump_json(indent=2))
     return plan
 
 
@@ -213,9 +214,9 @@ def _default_train_run(checkpoint: str, model: ResolvedModel) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "default"
 
 
-def load_plan(path: str | Path) -> EvalPlan:
-    """Read a plan.json written by `resolve`."""
-    path = Path(path)
+def load_plan(path: str | PathLike) -> EvalPlan:
+    """Read a plan.json written by `resolve` (a local path or a result store URL)."""
+    path = store.as_path(path)
     if not path.is_file():
         raise ConfigError(f"plan {path} does not exist; was the resolve stage run with the same result store?")
     return EvalPlan.model_validate_json(path.read_text())

@@ -7,9 +7,14 @@ Each file carries `evaldag.schema_version` in its parquet metadata so a reader c
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
+from os import PathLike
+from typing import TYPE_CHECKING
 
 import polars as pl
+
+if TYPE_CHECKING:
+    from upath import UPath
 
 SCHEMA_VERSION = "2"
 
@@ -65,22 +70,24 @@ def conform(df: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
     return df.select([pl.col(c).cast(t) for c, t in schema.items()])
 
 
-def write_table(df: pl.DataFrame, path: str | Path, schema: dict[str, pl.DataType]) -> Path:
-    """Write `df` (conformed to `schema`) atomically: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    conform(df, schema).write_parquet(tmp, metadata={"evaldag.schema_version": SCHEMA_VERSION})
-    tmp.replace(path)
-    return path
+def write_table(df: pl.DataFrame, path: str | PathLike, schema: dict[str, pl.DataType]) -> UPath:
+    """Write `df` (conformed to `schema`) to the result store atomically: readers never see a half-written file."""
+    from evaldag import store
+
+    return store.write_parquet(store.as_path(path), conform(df, schema),
+                               metadata={"evaldag.schema_version": SCHEMA_VERSION})
 
 
-def read_table(path: str | Path, schema: dict[str, pl.DataType]) -> pl.DataFrame:
-    """Read a stage file, checking its schema version and columns."""
-    path = Path(path)
-    meta = pl.read_parquet_metadata(path)
+def read_table(path: str | PathLike, schema: dict[str, pl.DataType]) -> pl.DataFrame:
+    """Read a stage file of the result store, checking its schema version and columns."""
+    from evaldag import store
+
+    path = store.as_path(path)
+    with path.open("rb") as f:
+        data = f.read()
+    meta = pl.read_parquet_metadata(io.BytesIO(data))
     version = meta.get("evaldag.schema_version")
     if version != SCHEMA_VERSION:
         raise ValueError(f"{path} has schema version {version!r}, this evaldag reads {SCHEMA_VERSION!r}; "
                          "re-run the stage that wrote it")
-    return conform(pl.read_parquet(path), schema)
+    return conform(pl.read_parquet(io.BytesIO(data)), schema)

@@ -8,16 +8,16 @@ output reuses it instead of computing it again (and records that, for the cache 
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
-import shutil
 import time
-from pathlib import Path
+from os import PathLike
 
 import polars as pl
+from upath import UPath
 
 from evaldag import metrics as metricsmod
+from evaldag import store
 from evaldag.plan import EvalPlan
 from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, LOGPROB_SCHEMA, read_table, write_table
 
@@ -38,37 +38,20 @@ def _peak_gpu_mb() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)
-
-
 def _record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> None:
     path = plan.cache_record_path(shard)
-    record = json.loads(path.read_text()) if path.is_file() else {}
+    record = store.read_json(path) if path.is_file() else {}
     record[stage] = "computed" if computed else "reused"
-    _write_json(path, record)
+    store.write_json(path, record)
 
 
-def _stage_lock(out: Path):
-    """An exclusive lock next to a stage's output: two identical evaluations running at once compute it once (the
-    second waits, then finds the file). File locks hold across processes on one machine and on a shared POSIX
-    filesystem."""
-    from filelock import FileLock
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(out) + ".lock")
-
-
-def generate_shard(plan: EvalPlan, shard: int) -> Path:
+def generate_shard(plan: EvalPlan, shard: int) -> UPath:
     """Generate `n` completions for every problem of one shard; write and return the generations file.
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
     """
     out = plan.generations_path(shard)
-    with _stage_lock(out):
+    with store.lock(out):
         if out.is_file():
             log.info("shard %d: generations already in %s, reusing them", shard, out)
             _record_stage(plan, shard, "generate", computed=False)
@@ -80,7 +63,7 @@ def generate_shard(plan: EvalPlan, shard: int) -> Path:
     return out
 
 
-def _generate(plan: EvalPlan, shard: int, out: Path) -> None:
+def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
     """Generate batch by batch, each batch written as its own parquet chunk before the next starts: a shard killed
     midway (node loss, OOM, kill -9) resumes from its last complete chunk, and since batches and their seeds are
     deterministic the resumed output equals an uninterrupted one."""
@@ -114,29 +97,29 @@ def _generate(plan: EvalPlan, shard: int, out: Path) -> None:
     gen_s = time.perf_counter() - t1
     engine.close()
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
-    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"))])
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
     if df.height != inputs.height * plan.sampling.n:
         raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
                            f"{inputs.height * plan.sampling.n}; delete that folder to regenerate the shard")
     write_table(df, out, GENERATION_SCHEMA)
-    _write_json(plan.stats_path("generate", shard), {
+    store.write_json(plan.stats_path("generate", shard), {
         "model_load_s": load_s, "generation_s": gen_s, "generation_tokens": float(tokens),
         "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
-    shutil.rmtree(chunks, ignore_errors=True)
+    store.remove_tree(chunks)
 
 
-def score_shard(plan: EvalPlan, shard: int) -> Path:
+def score_shard(plan: EvalPlan, shard: int) -> UPath:
     """Per-token log-probs of the shard's completions under the evaluated model and the reference model."""
     out = plan.logprobs_path(shard)
-    with _stage_lock(out):
+    with store.lock(out):
         if out.is_file():
             _record_stage(plan, shard, "score", computed=False)
             return out
         return _score(plan, shard, out)
 
 
-def _score(plan: EvalPlan, shard: int, out: Path) -> Path:
+def _score(plan: EvalPlan, shard: int, out: UPath) -> UPath:
     from evaldag.engines import load_engine
     from evaldag.errors import ConfigError
 
@@ -156,16 +139,16 @@ def _score(plan: EvalPlan, shard: int, out: Path) -> Path:
         pl.Series("logp", scores[0], dtype=pl.List(pl.Float64)),
         pl.Series("ref_logp", scores[1], dtype=pl.List(pl.Float64)))
     write_table(df, out, LOGPROB_SCHEMA)
-    _write_json(plan.stats_path("score", shard), {"scoring_s": time.perf_counter() - t0,
+    store.write_json(plan.stats_path("score", shard), {"scoring_s": time.perf_counter() - t0,
                                                    "peak_rss_mb": _peak_rss_mb()})
     _record_stage(plan, shard, "score", computed=True)
     return out
 
 
-def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> Path:
+def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> UPath:
     """Grade one shard's generations (and group equivalent answers for maj@k); write and return the graded file."""
     out = plan.graded_path(shard)
-    with _stage_lock(out):
+    with store.lock(out):
         if out.is_file():
             log.info("shard %d: grades already in %s, reusing them", shard, out)
             _record_stage(plan, shard, "grade", computed=False)
@@ -173,7 +156,7 @@ def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> Path:
         return _grade(plan, shard, out, workers)
 
 
-def _grade(plan: EvalPlan, shard: int, out: Path, workers: int) -> Path:
+def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     from evaldag.grading import grade_table
     from evaldag.sampling_metrics import assign_answer_groups
 
@@ -183,7 +166,7 @@ def _grade(plan: EvalPlan, shard: int, out: Path, workers: int) -> Path:
                          strip_thinking=plan.benchmark.strip_thinking)
     grading_s = time.perf_counter() - t0
     graded = assign_answer_groups(graded)
-    _write_json(plan.stats_path("grade", shard), {"grading_s": grading_s, "grading_samples": graded.height,
+    store.write_json(plan.stats_path("grade", shard), {"grading_s": grading_s, "grading_samples": graded.height,
                                                    "grouping_s": time.perf_counter() - t0 - grading_s})
     write_table(graded, out, GRADED_SCHEMA)
     _record_stage(plan, shard, "grade", computed=True)
@@ -202,7 +185,7 @@ def _stats_table(plan: EvalPlan) -> pl.DataFrame:
         for stage in ("generate", "grade", "score"):
             path = plan.stats_path(stage, i)
             if path.is_file():
-                stats = json.loads(path.read_text())
+                stats = store.read_json(path)
                 row["peak_rss_mb"] = max(row["peak_rss_mb"], stats.pop("peak_rss_mb", 0.0))
                 row.update(stats)
         rows.append(row)
@@ -211,11 +194,11 @@ def _stats_table(plan: EvalPlan) -> pl.DataFrame:
 
 def _cache_hit_rate(plan: EvalPlan) -> float:
     states = [v for i in range(plan.num_shards) if plan.cache_record_path(i).is_file()
-              for v in json.loads(plan.cache_record_path(i).read_text()).values()]
+              for v in store.read_json(plan.cache_record_path(i)).values()]
     return sum(s == "reused" for s in states) / len(states) if states else 0.0
 
 
-def reduce_results(plan: EvalPlan, graded_paths: list[str | Path]) -> dict:
+def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike]) -> dict:
     """Merge the shards' graded files, check completeness, compute every metric and the shard diagnostic;
     write samples.parquet (with per-sample rewards) and metrics.json; return the metrics."""
     from evaldag.diagnostics import shard_disagreement
@@ -245,9 +228,9 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | Path]) -> dict:
     if diagnostic is not None:
         result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))
     samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))
-    samples.drop("completion_ids").write_parquet(plan.path("samples.parquet"))
+    store.write_parquet(plan.path("samples.parquet"), samples.drop("completion_ids"))
     result["reduce_s"] = time.perf_counter() - t0
-    plan.path("metrics.json").write_text(json.dumps(result, indent=2, sort_keys=True))
+    store.write_json(plan.path("metrics.json"), result)
     if diagnostic is not None:
-        _write_json(plan.path("diagnostics.json"), {"shard_disagreement": diagnostic.__dict__})
+        store.write_json(plan.path("diagnostics.json"), {"shard_disagreement": diagnostic.__dict__})
     return result

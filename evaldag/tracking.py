@@ -14,11 +14,13 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass, field
+from os import PathLike
 from pathlib import Path
 
 import polars as pl
 from mlflow.entities import Metric, Param
 
+from evaldag import store
 from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
 
@@ -242,20 +244,21 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     bench = plan.benchmark.name
     client.log_batch(parent, metrics=[Metric(mlflow_key(f"{bench}/{k}"), float(metrics[k]), now, step)
                                       for k in HEADLINE if k in metrics])
-    client.log_artifact(run_id, str(plan.path("samples.parquet")), artifact_path="samples")
-    client.log_artifact(run_id, str(plan.path("plan.json")), artifact_path="config")
-    client.log_artifact(run_id, str(plan.path("metrics.json")), artifact_path="config")
+    for name, folder in (("samples.parquet", "samples"), ("plan.json", "config"), ("metrics.json", "config")):
+        with store.local_copy(plan.path(name)) as local:
+            client.log_artifact(run_id, str(local), artifact_path=folder)
     client.set_terminated(run_id, "FINISHED")
     return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
 
 
-def sync(results_root: Path) -> list[TrackedRun]:
+def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
     """Log every finished evaluation in the result store that MLflow does not have yet (e.g. the tracking server
     was down longer than the track task's retries); returns the runs it created."""
     from evaldag.plan import load_plan
 
+    root = store.as_path(results_root) if results_root is not None else store.root()
     created = []
-    for metrics_file in sorted(results_root.glob("*/*/metrics.json")):
+    for metrics_file in sorted(root.glob("*/*/metrics.json"), key=str):
         plan_file = metrics_file.with_name("plan.json")
         if not plan_file.is_file():
             continue

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import get_run_logger, task
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
@@ -31,7 +29,7 @@ def launch_shard(plan_path: str, shard_index: int, parent_run_id: str) -> str:
         raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "
                            f"{fr.state.message}")
     path = plan.graded_path(shard_index)
-    if not Path(path).is_file():
+    if not path.is_file():
         raise RuntimeError(f"shard {shard_index} completed but wrote no {path}; is the result store shared "
                            "between the cpu and gpu workers?")
     get_run_logger().info("shard %d done: %s", shard_index, path)

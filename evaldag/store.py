@@ -1,0 +1,143 @@
+"""The result store: one fsspec URL that holds every evaluation's files.
+
+A local folder by default (`<home>/results`); `s3://bucket/prefix`, `gs://...`, `az://...` or any other fsspec
+scheme works unchanged, so the shards of one evaluation can run on machines that share nothing but the store.
+Paths are `upath.UPath` objects (pathlib's API over fsspec); a local path is a plain `pathlib.Path` subclass.
+
+Every write is atomic: a local file is written beside its target and renamed over it, and an object store PUT
+replaces an object whole. So a reader never sees half a file, and a stage that finds its output can reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from upath import UPath
+
+from evaldag import paths
+from evaldag.errors import ConfigError
+
+StorePath = UPath
+
+
+def root() -> UPath:
+    """The store's root: `$EVALDAG_RESULTS_URL` (any fsspec URL), else `$EVALDAG_RESULTS_DIR`, else
+    `<home>/results`."""
+    url = os.environ.get("EVALDAG_RESULTS_URL") or os.environ.get("EVALDAG_RESULTS_DIR")
+    if not url:
+        return UPath(paths.home() / "results")
+    return as_path(url)
+
+
+def as_path(location: str | os.PathLike) -> UPath:
+    """A store path from a URL or a local path (a relative local path is made absolute: every worker must read
+    the same plan path)."""
+    text = str(location)
+    if not text.strip():
+        raise ConfigError("the result store location is empty; set EVALDAG_RESULTS_URL to a folder or a URL "
+                          "such as s3://bucket/evaldag")
+    if "://" not in text:
+        return UPath(Path(text).expanduser().resolve())
+    try:
+        path = UPath(text)
+        path.fs  # noqa: B018 - creating the filesystem is what fails when its package is missing
+    except (ImportError, ValueError) as e:
+        scheme = text.split("://", 1)[0]
+        raise ConfigError(f"the result store {text!r} needs the fsspec backend for {scheme!r}: {e}; install it "
+                          "(e.g. `pip install s3fs` for s3://, `gcsfs` for gs://, `adlfs` for az://)") from None
+    return path
+
+
+def is_local(path: UPath) -> bool:
+    """True when `path` lives on this machine's filesystem (locks and renames work there)."""
+    return getattr(path, "protocol", "") in ("", "file", "local")
+
+
+def write_bytes(path: UPath, data: bytes) -> UPath:
+    """Write `data` to `path` atomically."""
+    if is_local(path):
+        local = Path(str(path).removeprefix("file://"))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        # unique temp name: two writers of the same (identical) file must not rename each other's half
+        tmp = local.with_name(f".{local.name}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(local)
+    else:
+        path.write_bytes(data)  # one PUT: the object appears whole or not at all
+    return path
+
+
+def write_text(path: UPath, text: str) -> UPath:
+    """Write `text` (UTF-8) to `path` atomically."""
+    return write_bytes(path, text.encode())
+
+
+def write_json(path: UPath, data: dict) -> UPath:
+    """Write `data` as indented JSON to `path` atomically."""
+    return write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def read_json(path: UPath) -> dict:
+    """Read a JSON file of the store."""
+    return json.loads(path.read_text())
+
+
+def remove_tree(path: UPath) -> None:
+    """Delete a folder (or prefix) and everything under it; a missing one is fine."""
+    if is_local(path):
+        shutil.rmtree(str(path).removeprefix("file://"), ignore_errors=True)
+    elif path.exists():
+        path.fs.rm(path.path, recursive=True)
+
+
+def lock(path: UPath):
+    """An exclusive lock for computing `path`: two identical evaluations running at once compute it once (the
+    second waits, then finds the file).
+
+    A local or shared POSIX store gets a lock file beside the output, which holds across processes and machines
+    that mount it. Object stores have no locks; their lock lives in `<home>/locks` and so holds between the
+    processes of one machine only. Across machines, Prefect's idempotency keys keep identical evaluations apart,
+    and if two still race they write identical, atomically replaced objects.
+    """
+    from filelock import FileLock
+
+    if is_local(path):
+        local = Path(str(path).removeprefix("file://"))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        return FileLock(str(local) + ".lock")
+    folder = paths.home() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(folder / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".lock")))
+
+
+@contextmanager
+def local_copy(path: UPath) -> Iterator[Path]:
+    """A local file with the contents of `path` (the file itself when it is local), for tools that need a local
+    path such as MLflow's log_artifact."""
+    if is_local(path):
+        yield Path(str(path).removeprefix("file://"))
+        return
+    with tempfile.TemporaryDirectory(prefix="evaldag-") as tmp:
+        local = Path(tmp) / path.name
+        local.write_bytes(path.read_bytes())
+        yield local
+
+
+def write_parquet(path: UPath, df, metadata: dict[str, str] | None = None) -> UPath:
+    """Write a polars DataFrame as parquet to `path` atomically."""
+    buf = io.BytesIO()
+    df.write_parquet(buf, metadata=metadata)
+    return write_bytes(path, buf.getvalue())
+
+
+__all__ = ["StorePath", "root", "as_path", "is_local", "write_bytes", "write_text", "write_json", "read_json",
+           "remove_tree", "lock", "local_copy", "write_parquet"]
