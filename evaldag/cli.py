@@ -53,9 +53,14 @@ app = typer.Typer(
 
 @app.command()
 def up(
-    gpu_workers: Annotated[Optional[int], typer.Option(
-        "--gpu-workers", min=0, help="Workers on the `gpu` pool, one shard at a time each [env EVALDAG_GPU_WORKERS; "
-        "default 1].")] = None,
+    gpus: Annotated[Optional[int], typer.Option(
+        "--gpus", "--gpu-workers", min=0, help="GPUs of the `gpu` pool: --gpus/--tp workers, each pinned to --tp "
+        "GPUs (CUDA_VISIBLE_DEVICES from EVALDAG_GPUS, else the GPUs this machine shows); on a machine without GPUs, "
+        "shard slots. Also the limit of the `evaldag-gpus` concurrency limit (env EVALDAG_GPU_WORKERS; default 1).",
+        show_default=False)] = None,
+    tp: Annotated[Optional[int], typer.Option(
+        "--tp", min=1, help="GPUs per gpu worker, for tensor-parallel models (vllm tensor_parallel_size); --gpus "
+        "must be a multiple of it (env EVALDAG_TP; default 1).", show_default=False)] = None,
     no_deploy: Annotated[bool, typer.Option(
         "--no-deploy", help="Start the stack without running `prefect deploy` of deployments/prefect.yaml.")] = False,
 ) -> None:
@@ -65,7 +70,7 @@ def up(
     from evaldag.stack import Stack, StackSettings
 
     console = Console(highlight=False)
-    stack = Stack(StackSettings.from_env(gpu_workers=gpu_workers))
+    stack = Stack(StackSettings.from_env(num_gpus=gpus, tp=tp))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
     if report.started:
@@ -79,6 +84,10 @@ def up(
     console.print(f"[green]stack is up[/] ({report.elapsed_s:.1f} s, state in {stack.home})")
     console.print(f"  Prefect UI: {stack.prefect_url}")
     console.print(f"  MLflow UI:  {stack.mlflow_url}")
+    st = stack.settings
+    pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
+    console.print(f"  gpu pool:   {st.gpu_workers} worker(s) x {st.tp} GPU(s) [{pins or 'none'}], concurrency "
+                  f"limit evaldag-gpus = {st.num_gpus}", markup=False)
     console.print("To use it from this shell:")
     for line in stack.env_lines():
         console.print(f"  {line}", markup=False)

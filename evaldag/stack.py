@@ -1,5 +1,8 @@
 """The local stack: a Prefect server, process work pools `cpu`/`gpu` with their workers, and an MLflow server.
 
+The `gpu` pool gets num_gpus // tp workers, each pinned to tp GPUs (evaldag.gpus.assign_gpus), and the server a
+global concurrency limit `evaldag-gpus` with one slot per GPU, which shard flows hold while generating.
+
 Everything lives under one state directory, `evaldag.paths.home()`:
 
     <home>/prefect/          PREFECT_HOME of the server and the workers (SQLite DB, result storage)
@@ -38,10 +41,11 @@ from typing import Any, Iterator, NamedTuple
 
 import httpx
 import psutil
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from evaldag import paths
-from evaldag.errors import StackError
+from evaldag import paths, prefect_results
+from evaldag.errors import EvalDagError, StackError
+from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
 PREFECT_SERVER = "prefect-server"
 MLFLOW_SERVER = "mlflow-server"
@@ -56,7 +60,7 @@ _CHILDREN: dict[int, subprocess.Popen] = {}  # components started by this proces
 # when it changes, restarts them (a flow must see the data/models/results folders the user asked for).
 _STACK_ENV = {
     "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_GPU_WORKERS",
-    "EVALDAG_GPUS", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
+    "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
 }
 
 
@@ -69,11 +73,15 @@ class StackSettings(BaseModel):
     host: str = Field("127.0.0.1", description="Interface both servers bind to (EVALDAG_HOST).")
     prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server port (EVALDAG_PREFECT_PORT).")
     mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow server port (EVALDAG_MLFLOW_PORT).")
-    gpu_workers: int = Field(
-        1, ge=0, le=64, description="Workers on the `gpu` pool, one shard at a time each (EVALDAG_GPU_WORKERS).")
+    num_gpus: int = Field(
+        1, ge=0, le=64, validation_alias=AliasChoices("num_gpus", "gpu_workers"),
+        description="GPUs (on a CPU box: shard slots) of the `gpu` pool; `--gpus`, EVALDAG_GPU_WORKERS. Also the "
+                    f"limit of the Prefect global concurrency limit {GPU_LIMIT!r}.")
+    tp: int = Field(1, ge=1, le=64, description="GPUs per gpu worker (`--tp`, EVALDAG_TP): num_gpus // tp workers, "
+                                                "one shard at a time each.")
     gpus: tuple[str, ...] | None = Field(
-        None, description="GPU ids, one worker each with CUDA_VISIBLE_DEVICES=<id> (EVALDAG_GPUS=0,1). "
-        "None: workers inherit the caller's CUDA_VISIBLE_DEVICES.")
+        None, description="GPU ids, tp per worker via CUDA_VISIBLE_DEVICES (EVALDAG_GPUS=0,1). "
+        "None: nothing to pin (CPU box); workers inherit the caller's CUDA_VISIBLE_DEVICES.")
     cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
     worker_query_seconds: float = Field(
         2, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
@@ -82,31 +90,63 @@ class StackSettings(BaseModel):
 
     @model_validator(mode="after")
     def _gpus_match_workers(self) -> StackSettings:
-        if self.gpus is not None and len(self.gpus) != self.gpu_workers:
-            raise ValueError(f"gpus={list(self.gpus)} names {len(self.gpus)} GPUs but "
-                             f"gpu_workers={self.gpu_workers}; one gpu worker runs per GPU")
+        if self.gpus is not None and len(self.gpus) != self.num_gpus:
+            raise ValueError(f"gpus={list(self.gpus)} names {len(self.gpus)} GPUs but num_gpus={self.num_gpus} "
+                             "(--gpus); name exactly one id per GPU")
+        try:
+            assign_gpus(self.num_gpus, self.tp, self.gpus)
+        except EvalDagError as e:
+            raise ValueError(str(e)) from None
         if self.prefect_port == self.mlflow_port:
             raise ValueError(f"prefect_port and mlflow_port are both {self.prefect_port}")
         return self
 
+    @property
+    def gpu_workers(self) -> int:
+        """Workers on the `gpu` pool: one per `tp` GPUs."""
+        return self.num_gpus // self.tp
+
+    @property
+    def gpu_assignment(self) -> list[tuple[str, ...] | None]:
+        """CUDA_VISIBLE_DEVICES ids of each gpu worker (None: not pinned); see evaldag.gpus.assign_gpus."""
+        return assign_gpus(self.num_gpus, self.tp, self.gpus)
+
     @classmethod
     def from_env(cls, **overrides: Any) -> StackSettings:
-        """Settings from EVALDAG_* variables; keyword overrides (e.g. from CLI options, None = unset) win."""
+        """Settings from EVALDAG_* variables; keyword overrides (e.g. from CLI options, None = unset) win.
+
+        When the number of GPUs is asked for (`--gpus`/EVALDAG_GPU_WORKERS) without naming them (EVALDAG_GPUS),
+        the workers are pinned to the GPUs this machine shows (the caller's CUDA_VISIBLE_DEVICES, else
+        `nvidia-smi -L`), the first tp to the first worker and so on; on a machine without GPUs nothing is pinned
+        and each worker is just a slot. Without either, one unpinned worker, as before.
+        """
         env = os.environ
         values: dict[str, Any] = {}
+        if "gpu_workers" in overrides:  # the old keyword of --gpu-workers
+            legacy = overrides.pop("gpu_workers")
+            if overrides.get("num_gpus") is None:
+                overrides["num_gpus"] = legacy
         for key, var in (("host", "EVALDAG_HOST"), ("prefect_port", "EVALDAG_PREFECT_PORT"),
-                         ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("gpu_workers", "EVALDAG_GPU_WORKERS"),
-                         ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS")):
+                         ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("num_gpus", "EVALDAG_GPU_WORKERS"),
+                         ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS")):
             if env.get(var):
                 values[key] = env[var]
         if env.get("EVALDAG_GPUS"):
-            values["gpus"] = tuple(g.strip() for g in env["EVALDAG_GPUS"].split(",") if g.strip())
-            values.setdefault("gpu_workers", len(values["gpus"]))
+            values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
+            values.setdefault("num_gpus", len(values["gpus"]))
         values.update({k: v for k, v in overrides.items() if v is not None})
-        if "gpus" in overrides and overrides["gpus"] is not None and "gpu_workers" not in overrides:
-            values["gpu_workers"] = len(overrides["gpus"])
+        if overrides.get("gpus") is not None:
+            values["gpus"] = tuple(str(g) for g in overrides["gpus"])
+            if overrides.get("num_gpus") is None:
+                values["num_gpus"] = len(values["gpus"])
         try:
+            num_gpus, tp = int(values.get("num_gpus", 1)), int(values.get("tp", 1))
+            if values.get("gpus") is None and values.get("num_gpus") is not None:
+                values["gpus"] = _detected_gpus(num_gpus)
+            assign_gpus(num_gpus, tp, values.get("gpus"))  # the GPU layout's errors, in words (not pydantic's)
             return cls(**values)
+        except EvalDagError as e:
+            raise StackError(str(e)) from None
         except ValueError as e:  # pydantic's ValidationError is a ValueError
             raise StackError(f"invalid stack settings: {e}") from None
 
@@ -231,6 +271,10 @@ class Stack:
                         self._save_state(state)
                 self._wait_healthy(state, [PREFECT_SERVER])
                 self._ensure_pools()
+                # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
+                self._ensure_gpu_limit(reset_slots=PREFECT_SERVER in started)
+                # flow and task results go to the workers' result store, where every node can read them
+                prefect_results.configure(self.settings.prefect_api_url, self._results_root())
                 workers = [n for n in to_start if specs[n].kind == "worker"]
                 for name in workers:
                     comps[name] = self._spawn(specs[name])
@@ -378,16 +422,26 @@ class Stack:
                       # MLflow's own retries blocking a worker slot for minutes
                       "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
         workers = [(CPU_WORKER, "cpu", s.cpu_worker_limit, None)]
-        workers += [(f"gpu-worker-{i}", "gpu", 1, s.gpus[i] if s.gpus else None) for i in range(s.gpu_workers)]
+        workers += [(f"gpu-worker-{i}", "gpu", 1, ",".join(ids) if ids is not None else None)
+                    for i, ids in enumerate(s.gpu_assignment)]
         for name, pool, limit, gpu in workers:
             argv = [_cli("prefect"), "worker", "start", "--pool", pool, "--name", name, "--type", "process",
                     "--limit", str(limit)]
             env = dict(worker_env)
             if gpu is not None:
                 env["CUDA_VISIBLE_DEVICES"] = gpu
+            elif pool == "gpu" and s.gpu_workers > 1:
+                # unpinned slots share this machine's cores: two torch processes with all cores each
+                # oversubscribe them and both slow down (see the CPU notes), so each gets its share
+                env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.gpu_workers))
             specs[name] = _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
                                 key={"argv": argv, "env": env, "passthrough": passthrough})
         return specs
+
+    def _results_root(self) -> str:
+        """The workers' result store: their EVALDAG_RESULTS_URL (or _DIR), else <home>/results."""
+        env = self._worker_settings()
+        return env.get("EVALDAG_RESULTS_URL") or env.get("EVALDAG_RESULTS_DIR") or str(self.home / "results")
 
     def _worker_settings(self) -> dict[str, str]:
         """EVALDAG_* settings for the workers (data mirror, checkpoint roots, ...): the caller's, else remembered.
@@ -563,6 +617,26 @@ class Stack:
                 if r.status_code not in (200, 201, 409):
                     raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
 
+    def _ensure_gpu_limit(self, reset_slots: bool = False) -> None:
+        """Create or update the global concurrency limit GPU_LIMIT: one slot per GPU of the `gpu` pool.
+
+        Shard flows hold `tensor_parallel_size` slots of it while generating (tasks/gpus.py). With no GPUs
+        (--gpus 0) the limit is made inactive, which Prefect treats as unlimited, so inline shards still run.
+        """
+        n = self.settings.num_gpus
+        body: dict[str, Any] = {"limit": n, "active": n > 0}
+        if reset_slots:
+            body.update(active_slots=0, denied_slots=0)
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30) as client:
+            r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
+            if r.status_code == 404:
+                r = client.post("/v2/concurrency_limits/", json={"name": GPU_LIMIT, **body})
+                if r.status_code == 409:  # created meanwhile by another client: update it
+                    r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
+            if r.status_code not in (200, 201, 204):
+                raise StackError(f"could not create or update the concurrency limit {GPU_LIMIT!r}: "
+                                 f"HTTP {r.status_code} {r.text[:500]}")
+
     def _online_workers(self, state: dict, names: list[str], since: dict[str, float] | None = None) -> set[str]:
         """Names of workers the server sees ONLINE (with a heartbeat after `since[name]`, when given)."""
         comps = state["components"]
@@ -670,6 +744,17 @@ class Stack:
 
 
 # ---------------------------------------------------------------------- helpers
+
+def _detected_gpus(num_gpus: int) -> tuple[str, ...] | None:
+    """The first `num_gpus` GPU ids of this machine (evaldag.gpus.detect_gpu_ids), None on a machine without GPUs."""
+    ids = detect_gpu_ids()
+    if ids is None:
+        return None
+    if len(ids) < num_gpus:
+        raise StackError(f"--gpus {num_gpus} asks for more GPUs than this machine shows: {len(ids)} "
+                         f"({','.join(ids)}); use --gpus {len(ids)} or name the GPUs with EVALDAG_GPUS")
+    return ids[:num_gpus]
+
 
 def _repo() -> str:
     """The checkout flow runs start in: $EVALDAG_REPO (e.g. a path all workers share), default this repository."""

@@ -16,6 +16,7 @@ from os import PathLike
 import polars as pl
 from upath import UPath
 
+from evaldag import faults
 from evaldag import metrics as metricsmod
 from evaldag import store
 from evaldag.plan import EvalPlan
@@ -84,6 +85,8 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
         if chunk.is_file():
             resumed += 1
             continue
+        if b > 0:
+            faults.maybe_fail("generate")
         completions = engine.generate_batch([prompts[i] for i in idx], plan.sampling, b)
         rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
                  "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
@@ -160,6 +163,7 @@ def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     from evaldag.grading import grade_table
     from evaldag.sampling_metrics import assign_answer_groups
 
+    faults.maybe_fail("grade")
     gens = read_table(plan.generations_path(shard), GENERATION_SCHEMA)
     t0 = time.perf_counter()
     graded = grade_table(gens, timeout_s=plan.benchmark.grading_timeout_s, workers=workers,

@@ -20,7 +20,7 @@ from pathlib import Path
 import polars as pl
 from mlflow.entities import Metric, Param
 
-from evaldag import store
+from evaldag import faults, store
 from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
 
@@ -215,6 +215,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     )
     for k, v in tags.items():
         client.set_tag(run_id, k, v)
+    faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
 
     # Diagnostics: the shard test of this evaluation, and the job's history including this checkpoint.
     diags: list[Diagnostic] = []

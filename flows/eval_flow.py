@@ -22,7 +22,9 @@ from tasks.resolve import resolve_task
 from tasks.track import track_task
 
 
-@flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True)
+# persist_result: the summary lands in the result store (the server's default result storage, see
+# evaldag.prefect_results), so `evaldag run`, a parent flow or any Prefect client can read it back.
+@flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True, persist_result=True)
 def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` works from the CLI
     benchmark: str = "math500",
     checkpoint: str = DEFAULT_CHECKPOINT,

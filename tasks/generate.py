@@ -10,7 +10,8 @@ from evaldag.stages import generate_shard
 from tasks.retry import retry_transient
 
 
-@task(name="generate", retries=2, retry_delay_seconds=exponential_backoff(5), retry_jitter_factor=0.2,
+@task(name="generate", persist_result=True,
+      retries=2, retry_delay_seconds=exponential_backoff(5), retry_jitter_factor=0.2,
       retry_condition_fn=retry_transient)
 def generate_task(plan_path: str, shard_index: int) -> str:
     """Generate one shard (skipped when its output already exists); returns the generations file."""

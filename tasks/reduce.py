@@ -8,7 +8,7 @@ from evaldag.plan import load_plan
 from evaldag.stages import reduce_results
 
 
-@task(name="reduce", retries=0)
+@task(name="reduce", persist_result=True, retries=0)
 def reduce_task(plan_path: str, graded_paths: list[str]) -> dict:
     """Check one row per (sample, index), compute metrics; returns them."""
     return reduce_results(load_plan(plan_path), graded_paths)

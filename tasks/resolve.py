@@ -7,7 +7,7 @@ from prefect import get_run_logger, task
 from evaldag.plan import EvalRequest, resolve
 
 
-@task(name="resolve", retries=0)
+@task(name="resolve", persist_result=True, retries=0)
 def resolve_task(request: EvalRequest) -> str:
     """Validate the request, resolve model and data, write the plan; returns the plan's path."""
     plan = resolve(request)

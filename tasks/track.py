@@ -10,7 +10,8 @@ from evaldag.tracking import TrackedRun, track
 from tasks.retry import retry_transient
 
 
-@task(name="track", retries=4, retry_delay_seconds=exponential_backoff(3), retry_jitter_factor=0.2,
+@task(name="track", persist_result=True,
+      retries=4, retry_delay_seconds=exponential_backoff(3), retry_jitter_factor=0.2,
       retry_condition_fn=retry_transient)
 def track_task(plan_path: str, metrics: dict, flow_run_id: str | None) -> TrackedRun:
     """Log to MLflow; returns the run (existing one when this evaluation was logged before)."""

@@ -23,6 +23,8 @@ os.environ.setdefault("EVALDAG_MODELS_DIR", str(Path.home() / ".evaldag" / "mode
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 # checkpoint events and sweeps may only point here (the stack hands it to its workers)
 os.environ["EVALDAG_CHECKPOINT_ROOTS"] = str(_TMP / "checkpoints")
+# the fault drill's plan (evaldag.faults): absent, so nothing fails, until a test writes it; workers inherit it
+os.environ["EVALDAG_FAULTS_FILE"] = str(_TMP / "faults.json")
 (_TMP / "checkpoints").mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):

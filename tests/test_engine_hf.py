@@ -52,3 +52,12 @@ def test_sampling_n_is_seeded(engine):
 def test_unknown_engine_is_named():
     with pytest.raises(ConfigError, match="unknown engine 'vllm2'"):
         load_engine("vllm2", "/x", "bfloat16", 1)
+
+
+def test_unknown_engine_arg_is_named():
+    # checked against the engine's constructor before the model loads
+    with pytest.raises(ConfigError, match=r"engine 'hf' does not take engine_args \['tensor_parallel_size'\]; "
+                                          r"allowed: cache_implementation"):
+        load_engine("hf", "/x", "bfloat16", 1, {"tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="engine_args must be a mapping"):
+        load_engine("hf", "/x", "bfloat16", 1, ["tensor_parallel_size"])

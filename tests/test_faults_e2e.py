@@ -129,3 +129,63 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     assert samples.height == 96 and run.data.metrics["n_samples"] == 96
     assert samples.select("sample_id", "sample_index").n_unique() == 96
     assert samples.group_by("sample_id").len()["len"].to_list() == [8] * 12
+
+
+# figures of the machine and the attempt, not of the answers: they differ between any two runs
+_SYSTEM = {"generation_tokens", "generation_s", "grading_s", "scoring_s", "model_load_s", "shard_peak_rss_mb",
+           "shard_peak_gpu_mb", "shard_generation_s_max", "generation_tokens_per_s", "grading_samples_per_s",
+           "latency_p50_s", "latency_p95_s", "latency_p99_s", "cache_hit_rate", "reduce_s"}
+
+
+def test_injected_transient_faults_are_retried_with_identical_results(live_stack):
+    """A transient error in generation (mid-shard), grading and tracking: each is retried, and the evaluation ends
+    with the same samples and the same metrics as a clean run of the same request, logged to one MLflow run."""
+    import polars as pl
+
+    from evaldag import store
+    from evaldag.models import resolve_model
+
+    folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch 32 -> 4 prompts x n=8
+    params = {"checkpoint": folder, "limit": 16, "num_shards": 2, "step": 99, "train_run": "fault-drill",
+              "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 24, "seed": 5}}
+    faults = Path(os.environ["EVALDAG_FAULTS_FILE"])
+    faults.write_text(json.dumps({"generate": 1, "grade": 1, "track": 1}))
+    try:
+        fr = run_deployment("eval/gsm8k", timeout=900, parameters=params)
+    finally:
+        budget = json.loads(faults.read_text())
+        faults.unlink()
+    assert fr.state.is_completed(), fr.state.message
+    assert sorted(budget["_fired"]) == ["generate", "grade", "track"], budget   # every fault really happened
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("gsm8k"))
+    [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'fault-drill'")
+    assert run.info.status == "FINISHED"
+    result_dir = store.root() / "gsm8k" / run.data.tags["eval_key"][:24]
+    plan = json.loads((result_dir / "plan.json").read_text())
+    faulty_metrics = json.loads((result_dir / "metrics.json").read_text())
+    faulty_samples = pl.read_parquet((result_dir / "samples.parquet").read_bytes())
+    stats = [json.loads(p.read_text()) for p in store.as_path(plan["stage_dir"]).glob("stats-generations-*.json")]
+    assert sum(s["resumed_batches"] for s in stats) == 1            # the retried shard kept its first batch
+
+    # the same request again from scratch, without faults
+    store.remove_tree(store.as_path(plan["stage_dir"]))
+    store.remove_tree(result_dir)
+    clean = run_deployment("eval/gsm8k", timeout=900, parameters=params)
+    assert clean.state.is_completed(), clean.state.message
+    # the flow's own result is persisted in the result store, so any Prefect client can read it back
+    assert clean.state.result()["metrics"]["n_samples"] == 128
+    assert any((store.root() / "prefect-results").iterdir())
+    clean_metrics = json.loads((result_dir / "metrics.json").read_text())
+    clean_samples = pl.read_parquet((result_dir / "samples.parquet").read_bytes())
+
+    keys = ["sample_id", "sample_index"]
+    assert faulty_samples.height == clean_samples.height == 16 * 8
+    assert faulty_samples.select(keys).n_unique() == 128                # none lost, none doubled
+    cols = keys + ["completion", "status", "reward", "answer_group"]
+    assert faulty_samples.sort(keys).select(cols).equals(clean_samples.sort(keys).select(cols))
+    task = {k: v for k, v in clean_metrics.items() if k not in _SYSTEM}
+    # through JSON: a NaN (e.g. an undefined interval) equals itself there
+    assert json.dumps({k: faulty_metrics.get(k) for k in task}, sort_keys=True) == json.dumps(task, sort_keys=True)
+    assert len(client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'fault-drill'")) == 1

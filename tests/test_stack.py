@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from conftest import free_ports
 from evaldag.cli import app
-from evaldag.errors import StackError
+from evaldag.errors import ConfigError, StackError
+from evaldag.gpus import GPU_LIMIT
 from evaldag.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
 
 pytestmark = pytest.mark.stack
@@ -178,6 +179,43 @@ def test_dead_worker_is_restarted(stack):
     assert after[GPU_WORKER] != before[GPU_WORKER]
     assert {k: v for k, v in after.items() if k != GPU_WORKER} == {k: v for k, v in before.items() if k != GPU_WORKER}
     assert all(r.healthy for r in stack.status())
+
+
+def _gpu_limit(st: Stack) -> dict:
+    r = httpx.get(f"{st.settings.prefect_api_url}/v2/concurrency_limits/{GPU_LIMIT}", timeout=5)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
+    """`up` made the limit (one slot per GPU); a TP=2 shard on a 2-GPU pool holds both slots, so nothing else
+    gets one until it is done, and a TP=3 shard fails at once instead of waiting forever."""
+    from prefect.concurrency.sync import concurrency
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.gpus import gpu_slots
+
+    s = stack.settings
+    limit = _gpu_limit(stack)
+    assert (limit["limit"], limit["active"], limit["active_slots"]) == (s.num_gpus, True, 0) == (1, True, 0)
+    Stack(s.model_copy(update={"num_gpus": 2}))._ensure_gpu_limit()  # what `up --gpus 2` does to it
+    try:
+        assert _gpu_limit(stack)["limit"] == 2
+        with temporary_settings(updates={PREFECT_API_URL: s.prefect_api_url}):
+            with gpu_slots(2):
+                assert _gpu_limit(stack)["active_slots"] == 2
+                t0 = time.monotonic()
+                with pytest.raises(TimeoutError), concurrency(GPU_LIMIT, occupy=1, timeout_seconds=2):
+                    pytest.fail("a second shard got a GPU slot while a TP=2 shard held both GPUs")
+                assert time.monotonic() - t0 < 10
+            assert _gpu_limit(stack)["active_slots"] == 0
+            with pytest.raises(ConfigError, match="needs 3 GPUs"), gpu_slots(3):
+                pytest.fail("a TP=3 shard must not run on a 2-GPU pool")
+            with concurrency(GPU_LIMIT, occupy=2, timeout_seconds=10):  # free again
+                pass
+    finally:
+        stack._ensure_gpu_limit(reset_slots=True)
+    assert (_gpu_limit(stack)["limit"], _gpu_limit(stack)["active_slots"]) == (1, 0)
 
 
 def test_deploy_failure_shows_log_tail(stack, tmp_path, monkeypatch):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
+import os
 import sys
 import time
 
@@ -36,6 +38,16 @@ def _keep_freed_memory() -> None:
         pass
 
 
+def vocabulary_fingerprint(tokenizer) -> int:
+    """Identity of a tokenizer's vocabulary (token -> id), shared by every engine so KL between models run by
+    different engines is allowed exactly when their vocabularies match. sha256 rather than hash(): str hashes are
+    salted per process, and the value should mean the same in every process."""
+    digest = hashlib.sha256()
+    for token, idx in sorted(tokenizer.get_vocab().items()):
+        digest.update(f"{idx}\t{token}\n".encode("utf-8", "surrogatepass"))
+    return int.from_bytes(digest.digest()[:8], "big")
+
+
 class HFEngine:
     """Hugging Face transformers generation on CPU or a single GPU.
 
@@ -47,6 +59,8 @@ class HFEngine:
     def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32,
                  cache_implementation: str | None = "static") -> None:
         _keep_freed_memory()
+        if threads := os.environ.get("EVALDAG_TORCH_THREADS"):   # set by the stack for CPU slots sharing cores
+            torch.set_num_threads(max(1, int(threads)))
         self.batch_size = batch_size
         self.cache_implementation = cache_implementation
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,7 +181,7 @@ class HFEngine:
 
     def vocabulary_fingerprint(self) -> int:
         """Cheap identity of the tokenizer, to refuse KL between models that do not share one."""
-        return hash(tuple(sorted(self.tokenizer.get_vocab().items())))
+        return vocabulary_fingerprint(self.tokenizer)
 
     def close(self) -> None:
         """Free the model (a shard process exits anyway; this matters for in-process use)."""

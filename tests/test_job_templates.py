@@ -1,0 +1,122 @@
+"""The production work-pool templates in deployments/: consistent, accepted by Prefect's own validators, GPUs templated.
+
+What runs without extra packages: the server's base-job-template validation (every placeholder declared) and its
+JSON-schema checks of the variable defaults, then Prefect's templating. When prefect-kubernetes / prefect-docker
+are importable (they are not evaldag dependencies), the workers' job configuration classes must accept the
+rendered templates too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from prefect.server.schemas.actions import WorkPoolCreate
+from prefect.utilities.schema_tools import is_valid_schema, validate
+from prefect.utilities.templating import apply_values, find_placeholders
+
+DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
+K8S = DEPLOYMENTS / "k8s-gpu-pool.json"
+DOCKER = DEPLOYMENTS / "docker-gpu-pool.json"
+EVALDAG_ENV = {"EVALDAG_RESULTS_URL", "MLFLOW_TRACKING_URI", "EVALDAG_HOME", "HF_HOME"}
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _defaults(template: dict) -> dict:
+    return {k: v["default"] for k, v in template["variables"]["properties"].items() if v.get("default") is not None}
+
+
+def _render(template: dict, **values) -> dict:
+    """The job configuration as a worker renders it: variable defaults, overridden by `values`."""
+    return apply_values(copy.deepcopy(template["job_configuration"]), {**_defaults(template), **values})
+
+
+def _container(rendered: dict) -> dict:
+    return rendered["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("path", [K8S, DOCKER], ids=["kubernetes", "docker"])
+def test_template_is_valid_for_the_server(path):
+    template = _load(path)
+    assert set(template) == {"job_configuration", "variables"}
+    used = {p.name for p in find_placeholders(json.dumps(template["job_configuration"]))}
+    declared = set(template["variables"]["properties"])
+    assert used <= declared, f"undeclared variables: {used - declared}"
+    # docker: job_configuration.env is a mapping, and Prefect merges the `env` variable into it (no placeholder)
+    unused = declared - used
+    assert unused <= ({"env"} if isinstance(template["job_configuration"]["env"], dict) else set()), unused
+    # what the Prefect server runs on `prefect work-pool create --base-job-template FILE`
+    WorkPoolCreate(name="gpu", type="kubernetes" if path == K8S else "docker", base_job_template=template)
+    is_valid_schema(template["variables"], preprocess=False)
+    assert validate(_defaults(template), template["variables"], raise_on_error=True, ignore_required=True) == []
+    assert "gpus_per_shard" in declared and template["variables"]["properties"]["gpus_per_shard"]["default"] == 1
+
+
+def test_kubernetes_template():
+    template = _load(K8S)
+    c = _container(template["job_configuration"])
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus_per_shard }}"
+    rendered = _render(template, gpus_per_shard=4, results_url="s3://b/evaldag")
+    c = _container(rendered)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4 and c["resources"]["requests"]["nvidia.com/gpu"] == 4
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert EVALDAG_ENV <= set(env) and env["EVALDAG_RESULTS_URL"] == "s3://b/evaldag"
+    assert c["envFrom"][0]["secretRef"]["name"] == "evaldag-results"
+    pod = rendered["job_manifest"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert "persistentVolumeClaim" in volumes[mounts["/cache"]] and env["HF_HOME"].startswith("/cache/")
+    assert pod["nodeSelector"] and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    # the parts of prefect-kubernetes' default template that its worker relies on are still there
+    c = _container(template["job_configuration"])
+    assert c["name"] == "prefect-job" and c["args"] == "{{ command }}" and c["image"] == "{{ image }}"
+    assert template["job_configuration"]["env"] == "{{ env }}"
+
+
+def test_docker_template():
+    template = _load(DOCKER)
+    kwargs = template["job_configuration"]["container_create_kwargs"]
+    assert kwargs["device_requests"][0]["count"] == "{{ gpus_per_shard }}"
+    rendered = _render(template, gpus_per_shard=2)
+    request = rendered["container_create_kwargs"]["device_requests"][0]
+    assert request == {"driver": "nvidia", "count": 2, "capabilities": [["gpu"]]}
+    assert rendered["container_create_kwargs"]["shm_size"]
+    assert EVALDAG_ENV <= set(rendered["env"])
+    assert any(v.endswith(":/cache") for v in rendered["volumes"])
+
+
+@pytest.mark.parametrize(("path", "module", "cls"), [
+    (K8S, "prefect_kubernetes.worker", "KubernetesWorkerJobConfiguration"),
+    (DOCKER, "prefect_docker.worker", "DockerWorkerJobConfiguration"),
+], ids=["kubernetes", "docker"])
+def test_worker_accepts_template(path, module, cls):
+    worker = pytest.importorskip(module, reason=f"{module.split('.')[0]} is not installed (not an evaldag dependency)")
+    config_cls = getattr(worker, cls)
+    template = _load(path)
+    # the worker's own default template: ours keeps all its variables (docker: container_create_kwargs is ours now)
+    default = (worker.KubernetesWorker if "kubernetes" in module else worker.DockerWorker).get_default_base_job_template()
+    missing = set(default["variables"]["properties"]) - set(template["variables"]["properties"])
+    assert missing <= {"container_create_kwargs"}, missing
+    config = asyncio.run(config_cls.from_template_and_values(template, {"gpus_per_shard": 2, "env": {"X": "1"}},
+                                                             client=object()))  # no block/variable references
+    if "kubernetes" in module:
+        c = config.job_manifest["spec"]["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert config.env == {"X": "1"}
+    else:
+        assert config.container_create_kwargs["device_requests"][0]["count"] == 2
+        assert config.env["X"] == "1" and EVALDAG_ENV <= set(config.env)  # Prefect merges env over the template's
+
+
+def test_dockerfile_matches_templates():
+    text = (DEPLOYMENTS / "Dockerfile").read_text()
+    assert "/opt/evaldag" in text  # where the templates' docs say the repository lives (EVALDAG_REPO when deploying)
+    for path in (K8S, DOCKER):
+        assert "/opt/evaldag" in _load(path)["variables"]["properties"]["image"]["description"]
