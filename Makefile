@@ -53,14 +53,14 @@ up: model
 run: up
 	$(BIN)/evaldag run math500
 
-# The main suite first (tests/vllm needs the other venv), then the vLLM engine's tests in theirs.
+# The main suite first (tests/engine_vllm needs the other venv), then the vLLM engine's tests in theirs.
 test: setup
-	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(BIN)/python -m pytest -q --ignore=tests/engine_vllm
 	$(MAKE) test-vllm
 
 # `model` exports the default checkpoint with the main venv; the vLLM tests load that same folder.
 test-vllm: setup-vllm model
-	$(VENV_VLLM)/bin/python -m pytest -q tests/vllm
+	$(VENV_VLLM)/bin/python -m pytest -q tests/engine_vllm
 
 bench: model
 	$(BIN)/python bench/bench_grading.py

@@ -12,11 +12,7 @@ import importlib.util
 
 import pytest
 
-# find_spec, not importorskip: with tests/ on sys.path, this very folder would import as a namespace package "vllm"
-# where vllm is not installed. A real vllm has an origin (its __init__.py); that namespace package has none.
-_spec = importlib.util.find_spec("vllm")
-if _spec is None or _spec.origin in (None, "namespace"):
-    pytest.skip("the vLLM engine's tests run in .venv-vllm (make test-vllm)", allow_module_level=True)
+pytest.importorskip("vllm", reason="the vLLM engine's tests run in .venv-vllm (make test-vllm)")
 
 import psutil  # noqa: E402
 
