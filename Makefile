@@ -13,7 +13,7 @@ PIP_VLLM  := $(VENV_VLLM)/bin/pip --disable-pip-version-check -q
 # Benchmark data: the local mirror beside the project (no dataset hub here). Unset it to load from the hub.
 export EVALDAG_DATA_DIR ?= $(abspath ../shared/data)
 
-.PHONY: setup setup-vllm model up run test test-vllm bench down status clean
+.PHONY: setup setup-vllm model up run test test-vllm bench bench-vllm down status clean
 
 setup: $(VENV)/.installed
 
@@ -65,6 +65,12 @@ test-vllm: setup-vllm model
 bench: model
 	$(BIN)/python bench/bench_grading.py
 	$(BIN)/python bench/bench_generation.py
+	$(BIN)/python bench/bench_metrics.py
+	$(BIN)/python bench/bench_flow.py
+
+# transformers against vLLM on the same prompts (in .venv-vllm, which has both)
+bench-vllm: setup-vllm model
+	$(VENV_VLLM)/bin/python bench/bench_engines.py
 
 status:
 	$(BIN)/evaldag status

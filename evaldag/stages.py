@@ -46,6 +46,20 @@ def _record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> Non
     store.write_json(path, record)
 
 
+def finished_shard(plan: EvalPlan, shard: int) -> UPath | None:
+    """The shard's graded file when every stage of the shard is already in the store (each recorded as reused),
+    else None. A re-run of a finished evaluation then needs no shard run at all: no worker slot, no process start,
+    no model load."""
+    outputs = {"generate": plan.generations_path(shard), "grade": plan.graded_path(shard)}
+    if plan.reference is not None:
+        outputs["score"] = plan.logprobs_path(shard)
+    if not all(path.is_file() for path in outputs.values()):
+        return None
+    for stage in outputs:
+        _record_stage(plan, shard, stage, computed=False)
+    return outputs["grade"]
+
+
 def generate_shard(plan: EvalPlan, shard: int) -> UPath:
     """Generate `n` completions for every problem of one shard; write and return the generations file.
 

@@ -7,6 +7,7 @@ from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
 from evaldag.plan import load_plan
+from evaldag.stages import finished_shard
 
 SHARD_DEPLOYMENT = "eval-shard/gpu"
 
@@ -15,6 +16,9 @@ SHARD_DEPLOYMENT = "eval-shard/gpu"
 def launch_shard(plan_path: str, shard_index: int, parent_run_id: str) -> str:
     """Start the shard flow run and wait for it; returns the shard's graded file."""
     plan = load_plan(plan_path)
+    if (done := finished_shard(plan, shard_index)) is not None:
+        get_run_logger().info("shard %d: every stage already in the result store (%s), not launched", shard_index, done)
+        return str(done)
     attempt = get_run_context().task_run.run_count
     # Prefect hands back the existing run for a reused idempotency key even when it failed, so a retry must
     # carry its attempt number to really start the shard again.
