@@ -189,3 +189,34 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     # through JSON: a NaN (e.g. an undefined interval) equals itself there
     assert json.dumps({k: faulty_metrics.get(k) for k in task}, sort_keys=True) == json.dumps(task, sort_keys=True)
     assert len(client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'fault-drill'")) == 1
+
+
+def _logs(flow_run_ids) -> list[str]:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def go():
+        async with get_client() as client:
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(flow_run_ids))))
+            return [log.message for log in logs]
+    return asyncio.run(go())
+
+
+def test_identical_evaluations_started_together_compute_once(live_stack):
+    """Two identical requests at the same moment, as two parent flow runs: the generation is computed once (the
+    other evaluation waits for it and reuses it), both complete, and MLflow holds one run."""
+    params = {"limit": 4, "num_shards": 1, "step": 31, "train_run": "twins", "sampling": {"max_new_tokens": 16}}
+    runs = [run_deployment("eval/gsm8k", timeout=0, parameters=params) for _ in range(2)]
+    states = [_wait(lambda fr=fr: (s := _state(fr.id)) and s.is_final() and s, timeout=900) for fr in runs]
+    assert all(s.is_completed() for s in states), [s.message for s in states]
+
+    shards = [c.id for fr in runs for c in _children(fr.id)]
+    messages = _logs(shards)
+    computed = [m for m in messages if "batch 1/1 done" in m]
+    reused = [m for m in messages if "generations already in" in m]
+    assert len(computed) == 1, messages                     # one computation of the shard's generations
+    assert len(shards) == 1 or len(reused) == len(shards) - 1, messages   # any other shard run reused them
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("gsm8k"))
+    [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'twins'")
+    assert run.data.metrics["n_samples"] == 4
