@@ -101,7 +101,7 @@ def test_plan_paths_derive_from_keys_on_s3(s3_server):
 
 
 @pytest.mark.model
-def test_evaluation_on_s3_writes_only_to_the_store(s3_server, monkeypatch):
+def test_evaluation_on_s3_writes_only_to_the_store(s3_server, monkeypatch, tmp_path):
     """resolve -> generate -> grade -> reduce with the real model, the store on S3: every output is an object in
     the bucket, nothing lands in the local results folder, and a second pass reuses every stage."""
     from evaldag import paths
@@ -109,6 +109,7 @@ def test_evaluation_on_s3_writes_only_to_the_store(s3_server, monkeypatch):
 
     url = f"s3://{BUCKET}/evals"
     monkeypatch.setenv("EVALDAG_RESULTS_URL", url)
+    monkeypatch.setenv("EVALDAG_HOME", str(tmp_path / "home"))    # a home of its own: nothing may land in it
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=2, sampling={"max_new_tokens": 8}))
     graded = []
     for shard in range(plan.num_shards):
@@ -124,7 +125,7 @@ def test_evaluation_on_s3_writes_only_to_the_store(s3_server, monkeypatch):
         assert f"{res}/{name}" in keys
     assert f"{gen}/generations-0000-of-0002.parquet" in keys
     assert not any(".chunks/" in k or k.endswith(".tmp") for k in keys), keys
-    assert not (paths.home() / "results").exists()
+    assert paths.home() == tmp_path / "home" and not (paths.home() / "results").exists()
     samples = pl.read_parquet(plan.path("samples.parquet").read_bytes())
     assert samples.height == 4 and samples["sample_id"].n_unique() == 4
 
