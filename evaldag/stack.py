@@ -43,7 +43,7 @@ import httpx
 import psutil
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
-from evaldag import paths, prefect_results
+from evaldag import paths, prefect_results, store
 from evaldag.errors import EvalDagError, StackError
 from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
@@ -440,8 +440,7 @@ class Stack:
 
     def _results_root(self) -> str:
         """The workers' result store: their EVALDAG_RESULTS_URL (or _DIR), else <home>/results."""
-        env = self._worker_settings()
-        return env.get("EVALDAG_RESULTS_URL") or env.get("EVALDAG_RESULTS_DIR") or str(self.home / "results")
+        return str(store.root(self._worker_settings(), self.home))
 
     def _worker_settings(self) -> dict[str, str]:
         """EVALDAG_* settings for the workers (data mirror, checkpoint roots, ...): the caller's, else remembered.

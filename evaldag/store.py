@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,12 +29,13 @@ from evaldag.errors import ConfigError
 StorePath = UPath
 
 
-def root() -> UPath:
+def root(env: Mapping[str, str] | None = None, home: Path | None = None) -> UPath:
     """The store's root: `$EVALDAG_RESULTS_URL` (any fsspec URL), else `$EVALDAG_RESULTS_DIR`, else
-    `<home>/results`."""
-    url = os.environ.get("EVALDAG_RESULTS_URL") or os.environ.get("EVALDAG_RESULTS_DIR")
+    `<home>/results`. `env` and `home` default to this process's; the local stack passes its workers'."""
+    env = os.environ if env is None else env
+    url = env.get("EVALDAG_RESULTS_URL") or env.get("EVALDAG_RESULTS_DIR")
     if not url:
-        return UPath(paths.home() / "results")
+        return UPath((home or paths.home()) / "results")
     return as_path(url)
 
 

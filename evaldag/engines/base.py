@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -45,3 +46,37 @@ class Engine(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def chat_text(tokenizer, prompt: str) -> str:
+    """The user message as the model's chat template renders it (the prompt itself for a model without one)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def batches_by_length(lengths: list[int], batch_size: int, n: int) -> list[list[int]]:
+    """Deterministic batches (indexes into the prompts): sorted by token length, `batch_size` sequences each.
+
+    batch_size counts sequences: with n samples per prompt, a batch holds batch_size // n prompts. Every engine
+    cuts a shard this way, so batches (and their seeds) mean the same whichever engine runs them."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    per_batch = max(1, batch_size // n)
+    return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
+
+
+def generate_in_batches(engine: Engine, prompts: list[str], sampling: SamplingConfig,
+                        progress: Progress | None = None) -> list[list[Completion]]:
+    """`Engine.generate` for any engine: its plan's batches one after another, results in the order of `prompts`."""
+    results: list[list[Completion] | None] = [None] * len(prompts)
+    done, tokens, start = 0, 0, time.perf_counter()
+    for b, idx in enumerate(engine.plan_batches(prompts, sampling)):
+        batch = engine.generate_batch([prompts[i] for i in idx], sampling, b)
+        for i, comps in zip(idx, batch):
+            results[i] = comps
+            tokens += sum(c.completion_tokens for c in comps)
+        done += len(idx)
+        if progress:
+            progress(done, len(prompts), tokens, time.perf_counter() - start)
+    return results  # type: ignore[return-value]

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, Progress
+from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
 
 
 def _keep_freed_memory() -> None:
@@ -77,20 +77,14 @@ class HFEngine:
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
     def _format(self, prompt: str) -> str:
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-        return prompt
+        return chat_text(self.tokenizer, prompt)
 
     def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
         """Deterministic batches (indexes into `prompts`): sorted by token length, batch_size sequences each."""
         texts = [self._format(p) for p in prompts]
         # The chat template already holds the special tokens; adding them again would double the BOS.
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
-        # batch_size counts sequences: with n samples per prompt, a batch holds batch_size // n prompts
-        per_batch = max(1, self.batch_size // sampling.n)
-        return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
+        return batches_by_length(lengths, self.batch_size, sampling.n)
 
     def generate_batch(self, prompts: list[str], sampling: SamplingConfig,
                        batch_index: int) -> list[list[Completion]]:
@@ -101,17 +95,7 @@ class HFEngine:
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]:
         """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        results: list[list[Completion] | None] = [None] * len(prompts)
-        done, tokens, start = 0, 0, time.perf_counter()
-        for b, idx in enumerate(self.plan_batches(prompts, sampling)):
-            batch = self.generate_batch([prompts[i] for i in idx], sampling, b)
-            for i, comps in zip(idx, batch):
-                results[i] = comps
-                tokens += sum(c.completion_tokens for c in comps)
-            done += len(idx)
-            if progress:
-                progress(done, len(prompts), tokens, time.perf_counter() - start)
-        return results  # type: ignore[return-value]
+        return generate_in_batches(self, prompts, sampling, progress)
 
     def _generate_batch(self, texts: list[str], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)

@@ -24,7 +24,7 @@ import os
 import time
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, Progress
+from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
 from evaldag.errors import ConfigError, MissingDependencyError
 
 # name -> (accepted types, what it does). Values go to vllm.LLM unless handled below (kv_cache_space_gb).
@@ -139,10 +139,7 @@ class VLLMEngine:
 
     # -- prompts ----------------------------------------------------------------------------------------------
     def _format(self, prompt: str) -> str:
-        if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
-        return prompt
+        return chat_text(self.tokenizer, prompt)
 
     def _prompt_ids(self, prompts: list[str]) -> list[list[int]]:
         # The chat template already holds the special tokens; adding them again would double the BOS.
@@ -152,10 +149,7 @@ class VLLMEngine:
         """Deterministic batches (indexes into `prompts`): sorted by token length, batch_size sequences each
         (the transformers engine's rule, so both engines cut a shard the same way)."""
         lengths = [len(ids) for ids in self._prompt_ids(prompts)] if prompts else []
-        order = sorted(range(len(prompts)), key=lambda i: (lengths[i], i))
-        # batch_size counts sequences: with n samples per prompt, a batch holds batch_size // n prompts
-        per_batch = max(1, self.batch_size // sampling.n)
-        return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
+        return batches_by_length(lengths, self.batch_size, sampling.n)
 
     # -- generation -------------------------------------------------------------------------------------------
     def _sampling_params(self, sampling: SamplingConfig, seed: int):
@@ -203,17 +197,7 @@ class VLLMEngine:
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]:
         """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        results: list[list[Completion] | None] = [None] * len(prompts)
-        done, tokens, start = 0, 0, time.perf_counter()
-        for b, idx in enumerate(self.plan_batches(prompts, sampling)):
-            batch = self.generate_batch([prompts[i] for i in idx], sampling, b)
-            for i, comps in zip(idx, batch):
-                results[i] = comps
-                tokens += sum(c.completion_tokens for c in comps)
-            done += len(idx)
-            if progress:
-                progress(done, len(prompts), tokens, time.perf_counter() - start)
-        return results  # type: ignore[return-value]
+        return generate_in_batches(self, prompts, sampling, progress)
 
     # -- scoring ----------------------------------------------------------------------------------------------
     def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
