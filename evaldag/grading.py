@@ -16,6 +16,7 @@ pool's worker processes, which import this module to find `_grade_item`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import multiprocessing
@@ -262,6 +263,11 @@ def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: flo
     def on_alarm(signum: int, frame: object) -> None:
         raise _InlineTimeout()
 
+    # No cyclic garbage collection while the timer runs: an alarm that lands inside a destructor the collector
+    # calls (e.g. a leftover multiprocessing connection's __del__) is printed and swallowed, and the item then
+    # runs past its timeout unnoticed.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     old_handler = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
@@ -271,6 +277,8 @@ def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: flo
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
+        if gc_was_enabled:
+            gc.enable()
 
 
 def _with_item(i: int, gold: str, error: ValueError) -> ValueError:
