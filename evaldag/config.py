@@ -69,7 +69,9 @@ class BenchmarkConfig(_Strict):
     instruction: str = Field(description="user message template; must contain {problem}")
     gold_format: GoldFormat
     sampling: SamplingConfig = SamplingConfig()
-    num_shards: int = Field(4, ge=1, le=4096, description="default number of shard flow runs")
+    num_shards: int | None = Field(None, ge=1, le=4096,
+                                   description="shard flow runs when the request names none; default (null): as "
+                                               "many as the gpu slots can run at once (evaldag.plan.shard_count)")
     grading_timeout_s: float = Field(10.0, gt=0, description="hard per-item grading time limit")
     strip_thinking: bool = Field(False, description="drop <think>...</think> before extracting the answer")
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="correctness")],
@@ -98,7 +100,9 @@ class ModelConfig(_Strict):
     hub_id: str | None = Field(None, description="model id on the hub (source hub)")
     revision: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["hf", "vllm"] | None = Field(
+        None, description="inference engine; default (null): the deployment's default engine, vllm unless "
+                          "EVALDAG_DEFAULT_ENGINE says otherwise (evaldag.engines.default_engine)")
     batch_size: int = Field(32, ge=1, le=4096, description="sequences per generate() call (prompts x n)")
     engine_args: dict = Field(default_factory=dict,
                               description="engine-specific settings, e.g. vllm's tensor_parallel_size or "

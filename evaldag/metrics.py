@@ -84,6 +84,8 @@ def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str,
         shard_generation_s_max=pl.col("generation_s").max(),
     ).row(0, named=True)
     metrics = {k: float(v or 0.0) for k, v in row.items()}
+    if "engine_loads" in shard_stats.columns:    # 0 for a shard whose engine was already loaded by another benchmark
+        metrics["engine_loads"] = float(shard_stats["engine_loads"].sum())
     metrics["generation_tokens_per_s"] = (metrics["generation_tokens"] / metrics["generation_s"]
                                           if metrics["generation_s"] > 0 else 0.0)
     metrics["grading_samples_per_s"] = (metrics.pop("grading_samples") / metrics["grading_s"]

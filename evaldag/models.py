@@ -17,6 +17,7 @@ from pathlib import Path
 
 from evaldag import config as cfgmod
 from evaldag import paths
+from evaldag.engines import default_engine
 from evaldag.errors import CheckpointError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -181,7 +182,7 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
         folder = prepare_alias(alias)
         validate_checkpoint(folder)
         return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder), dtype=alias.dtype,
-                             engine=alias.engine, batch_size=alias.batch_size,
+                             engine=alias.engine or default_engine(), batch_size=alias.batch_size,
                              engine_args=dict(alias.engine_args))
     folder = Path(checkpoint).expanduser()
     if not looks_like_path and not folder.exists():
@@ -191,7 +192,8 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
     validate_checkpoint(folder)
     defaults = cfgmod.ModelConfig(name=folder.name, source="path", path=str(folder))
     return ResolvedModel(name=folder.name, path=str(folder), fingerprint=fingerprint(folder),
-                         dtype=defaults.dtype, engine=defaults.engine, batch_size=defaults.batch_size)
+                         dtype=defaults.dtype, engine=defaults.engine or default_engine(),
+                         batch_size=defaults.batch_size)
 
 
 __all__ = ["ResolvedModel", "resolve_model", "validate_checkpoint", "fingerprint", "prepare_alias"]

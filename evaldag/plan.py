@@ -21,6 +21,7 @@ from evaldag import __version__, store
 from evaldag.config import BenchmarkConfig, SamplingConfig, _format_validation, load_benchmark, merge_sampling
 from evaldag.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
+from evaldag.gpus import shard_gpus
 from evaldag.grading import GRADER_VERSION
 from evaldag.models import ResolvedModel, resolve_model
 from evaldag.schema import INPUT_SCHEMA, read_table, write_table
@@ -39,7 +40,8 @@ class EvalRequest(BaseModel):
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="model alias from configs/models or a checkpoint folder")
     step: int = Field(0, ge=0, description="training step of the checkpoint; the x axis in MLflow")
     limit: int | None = Field(None, ge=1, description="evaluate only the first `limit` problems")
-    num_shards: int | None = Field(None, ge=1, le=4096, description="shard flow runs; default from the benchmark")
+    num_shards: int | None = Field(None, ge=1, le=4096, description="shard flow runs; default: as many as the gpu "
+                                                                    "slots run at once (see shard_count)")
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
     pass_k: list[int] | None = Field(None, description="ks for pass@k and maj@k (each 1 <= k <= n)")
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
@@ -133,6 +135,28 @@ def compute_eval_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+# A shard pays a fixed cost before its first token (process start, imports, engine init: ~20 s for vLLM on CPU, about
+# what 45 MATH-500 problems take to generate there), so a shard smaller than this costs more than it saves.
+MIN_PROBLEMS_PER_SHARD = 32
+
+
+def shard_count(n_problems: int, slots: int, requested: int | None = None, configured: int | None = None) -> int:
+    """How many shards an evaluation of `n_problems` gets.
+
+    An explicit count (the request's, else the benchmark config's) is honoured, capped by the problems. Otherwise:
+    no more shards than `slots` (gpu slots that can run shards at once: more shards would only queue behind each
+    other, each paying its own start-up), and none with fewer than MIN_PROBLEMS_PER_SHARD problems (a 4-problem
+    slice is one shard). Resume stays sample-level whatever the count: batches are the unit.
+    """
+    if n_problems < 1:
+        raise ConfigError("no problems to evaluate")
+    if slots < 1:
+        raise ConfigError(f"slots must be >= 1, got {slots}")
+    if requested or configured:
+        return min(requested or configured, n_problems)
+    return max(1, min(slots, n_problems // MIN_PROBLEMS_PER_SHARD))
+
+
 def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
     """Deterministic shards balanced by prompt length: longest first, dealt round-robin."""
     ranked = (inputs.with_row_index("_pos")
@@ -144,8 +168,11 @@ def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
     return [s for s in shards if s]
 
 
-def resolve(request: EvalRequest, results_root: str | PathLike | None = None) -> EvalPlan:
-    """Run the resolve stage: load config, model and data; write plan.json and inputs.parquet; return the plan."""
+def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gpu_slots: int = 1) -> EvalPlan:
+    """Run the resolve stage: load config, model and data; write plan.json and inputs.parquet; return the plan.
+
+    `gpu_slots`: GPUs of the gpu pool (the `evaldag-gpus` limit); the default shard count fits the shards that can
+    run at once, gpu_slots // GPUs per shard."""
     bench = load_benchmark(request.benchmark)
     sampling = merge_sampling(bench.sampling, request.sampling)
     model = resolve_model(request.checkpoint)
@@ -154,7 +181,8 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None) ->
     data = load_benchmark_rows(bench, request.limit)
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
-    num_shards = min(request.num_shards or bench.num_shards, data.inputs.height)
+    slots = max(1, gpu_slots // shard_gpus(model))
+    num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards)
     shards = plan_shards(data.inputs, num_shards)
     pass_k = _pass_k(request.pass_k or bench.pass_k, sampling.n, explicit=bool(request.pass_k or bench.pass_k))
     reference = resolve_model(request.reference) if request.reference else None

@@ -8,6 +8,7 @@ output reuses it instead of computing it again (and records that, for the cache 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
@@ -79,40 +80,46 @@ def generate_shard(plan: EvalPlan, shard: int) -> UPath:
 
 
 def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
-    """Generate batch by batch, each batch written as its own parquet chunk before the next starts: a shard killed
-    midway (node loss, OOM, kill -9) resumes from its last complete chunk, and since batches and their seeds are
-    deterministic the resumed output equals an uninterrupted one."""
-    from evaldag.engines import load_engine
+    """Generate batch by batch, each batch written as its own parquet chunk as soon as it completes: a shard killed
+    midway (node loss, OOM, kill -9) resumes from its complete chunks, and since batches and their seeds are
+    deterministic the resumed output equals an uninterrupted one. The engine gets every missing batch at once
+    (Engine.generate_batches), so a continuously batching engine never drains between batches."""
+    from evaldag.engines.pool import engine_for
 
     inputs = plan.shard_inputs(shard)
     prompts = inputs["prompt"].to_list()
-    model = plan.resolved_model
-    t0 = time.perf_counter()
-    engine = load_engine(model.engine, model.path, model.dtype, model.batch_size, model.engine_args)
-    load_s = time.perf_counter() - t0
-    chunks = out.with_name(out.stem + ".chunks")
-    batches = engine.plan_batches(prompts, plan.sampling)
-    t1, tokens, resumed = time.perf_counter(), 0, 0
     records = inputs.to_dicts()
-    for b, idx in enumerate(batches):
-        chunk = chunks / f"batch-{b:05d}-of-{len(batches):05d}.parquet"
-        if chunk.is_file():
-            resumed += 1
-            continue
-        if b > 0:
-            faults.maybe_fail("generate")
-        completions = engine.generate_batch([prompts[i] for i in idx], plan.sampling, b)
-        rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
-                 "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
-                 "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
-                 "latency_s": c.latency_s, "batch_size": c.batch_size}
-                for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
-        write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk, GENERATION_SCHEMA)
-        tokens += sum(r["completion_tokens"] for r in rows)
-        log.info("shard %d: batch %d/%d done, %d tokens, %.0f tok/s", shard, b + 1, len(batches), tokens,
-                 tokens / (time.perf_counter() - t1))
+    chunks = out.with_name(out.stem + ".chunks")
+    t0 = time.perf_counter()
+    with engine_for(plan.resolved_model) as got:
+        engine = got.engine
+        load_s = time.perf_counter() - t0
+        batches = engine.plan_batches(prompts, plan.sampling)
+
+        def chunk(b: int) -> UPath:
+            return chunks / f"batch-{b:05d}-of-{len(batches):05d}.parquet"
+
+        todo = [(b, [prompts[i] for i in idx]) for b, idx in enumerate(batches) if not chunk(b).is_file()]
+        resumed, left = len(batches) - len(todo), len(todo)
+        t1, tokens = time.perf_counter(), 0
+        # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
+        # loaded for the retry (engines.pool)
+        with contextlib.closing(engine.generate_batches(todo, plan.sampling)) as stream:
+            for b, completions in stream:
+                idx = batches[b]
+                rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
+                         "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+                         "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
+                         "latency_s": c.latency_s, "batch_size": c.batch_size}
+                        for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
+                write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk(b), GENERATION_SCHEMA)
+                tokens += sum(r["completion_tokens"] for r in rows)
+                left -= 1
+                log.info("shard %d: batch %d of %d done (%d left), %d tokens, %.0f tok/s", shard, b + 1,
+                         len(batches), left, tokens, tokens / (time.perf_counter() - t1))
+                if left:
+                    faults.maybe_fail("generate")
     gen_s = time.perf_counter() - t1
-    engine.close()
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
     df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
@@ -121,7 +128,8 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
                            f"{inputs.height * plan.sampling.n}; delete that folder to regenerate the shard")
     write_table(df, out, GENERATION_SCHEMA)
     store.write_json(plan.stats_path("generate", shard), {
-        "model_load_s": load_s, "generation_s": gen_s, "generation_tokens": float(tokens),
+        "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": gen_s,
+        "generation_tokens": float(tokens),
         "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
 
@@ -191,7 +199,7 @@ def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     return out
 
 
-_STAT_COLUMNS = ("model_load_s", "generation_s", "generation_tokens", "grading_s", "grading_samples", "scoring_s",
+_STAT_COLUMNS = ("model_load_s", "engine_loads", "generation_s", "generation_tokens", "grading_s", "grading_samples", "scoring_s",
                  "peak_rss_mb", "peak_gpu_mb")
 
 

@@ -1,4 +1,4 @@
-"""on-checkpoint: a validated "checkpoint saved" event -> one evaluation flow run per requested benchmark.
+"""on-checkpoint: a validated "checkpoint saved" event -> one evaluation flow run for all its benchmarks.
 
 Deployed with an event trigger (deployments/prefect.yaml): the whole event payload arrives as the `event`
 parameter and is validated here, so a malformed or hostile payload fails this flow run with a message naming the
@@ -33,6 +33,6 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
         overrides["limit"] = min(limit, overrides.get("limit") or limit)
     if ckpt.mlflow_parent_run_id:   # the trainer made its own MLflow run for the job: log the curves there
         overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id
-    # a repeated event after a failed evaluation means "try again"; after a completed one it starts nothing
-    return [start_evaluation(b, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True)
-            for b in benchmarks]
+    # one flow run for all benchmarks: each gpu slot loads the checkpoint once for all of them. A repeated event
+    # after a failed evaluation means "try again"; after a completed one it starts nothing.
+    return [start_evaluation(benchmarks, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True)]

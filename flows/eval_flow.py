@@ -1,7 +1,11 @@
-"""eval: resolve -> [generate -> grade] x shards on the gpu pool -> reduce -> track.
+"""eval: resolve -> [generate -> grade] x shards on the gpu pool -> reduce -> track, for one checkpoint on one or
+more benchmarks.
 
 Deployed once per benchmark (eval/math500, eval/aime24, ...), so `prefect deployment run eval/math500` evaluates the
 default model on MATH-500; `-p checkpoint=/path -p step=1200 -p limit=20` evaluates a checkpoint or a slice.
+eval/suite takes `benchmarks` (e.g. the ones a checkpoint event names): their shards share the gpu slots and each
+slot loads the checkpoint's engine once for all of them; every benchmark still gets its own reduce, MLflow run
+and metrics.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import unmapped
 
-from evaldag.plan import DEFAULT_CHECKPOINT, EvalRequest, load_plan
+from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
 from evaldag.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
+from tasks.gpus import pool_gpu_slots
 from tasks.launch import launch_shard
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
@@ -38,23 +44,41 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     mlflow_parent_run_id: str | None = None,
     engine: Literal["hf", "vllm"] | None = None,
     dispatch: Literal["deployment", "inline"] = "deployment",
+    benchmarks: list[str] | None = None,
 ) -> dict:
-    """Evaluate one checkpoint on one benchmark and log it to MLflow; returns the headline figures.
+    """Evaluate one checkpoint on `benchmark` (or on every one of `benchmarks`) and log each to MLflow; returns the
+    headline figures (for several benchmarks: {"benchmarks": {name: figures}}).
 
     dispatch="deployment" runs every shard as a flow run of eval-shard/gpu (the normal path, needs gpu workers);
     "inline" runs the shards one after another inside this flow run (no workers needed).
     """
-    request = EvalRequest.parse(benchmark=benchmark, checkpoint=checkpoint, step=step, limit=limit,
-                                num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
-                                train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id,
-                                engine=engine)
-    plan_path = resolve_task(request)
-    plan = load_plan(plan_path)
-    shards = list(range(plan.num_shards))
+    names = list(dict.fromkeys(benchmarks)) if benchmarks else [benchmark]
+    requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,
+                                  num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
+                                  train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine)
+                for name in names]     # every request is checked before anything is resolved
+    # inline shards run one after another: more than one only repeats the engine load
+    gpu_slots = pool_gpu_slots() if dispatch == "deployment" else 1
+    plan_paths = [resolve_task(request, gpu_slots) for request in requests]
+    plans = [load_plan(path) for path in plan_paths]
+    # slot s runs shard s of every plan that has one, on one engine load
+    groups = [[path for path, plan in zip(plan_paths, plans) if plan.num_shards > s]
+              for s in range(max(plan.num_shards for plan in plans))]
     if dispatch == "deployment":
-        graded = launch_shard.map(plan_path, shards, flow_run.id).result()
+        results = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)).result()
     else:
-        graded = [shard_flow(plan_path, i) for i in shards]
+        results = [shard_flow(group, s) for s, group in enumerate(groups)]
+    graded: dict[str, list[str]] = {path: [] for path in plan_paths}
+    for group, paths in zip(groups, results):
+        for plan_path, path in zip(group, paths):
+            graded[plan_path].append(path)
+    summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step)
+                 for path, plan in zip(plan_paths, plans)}
+    return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
+
+
+def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int) -> dict:
+    """Reduce one benchmark's shards, log them to MLflow, and publish the Prefect artifacts; returns the summary."""
     metrics = reduce_task(plan_path, graded)
     run = track_task(plan_path, metrics, flow_run.id)
     summary = {"eval_key": plan.eval_key, "mlflow_run_id": run.run_id, "mlflow_url": run.url,

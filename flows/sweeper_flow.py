@@ -37,16 +37,15 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
              for step, ckpt in discover_checkpoints(root, marker)]
+    have = {bench: evaluated_checkpoints(bench) for bench in benches}
     started, done = [], 0
-    for bench in benches:
-        have = evaluated_checkpoints(bench)
-        for step, ckpt, root in found:
-            if (str(ckpt.resolve()), step) in have:
-                done += 1
-                continue
-            started.append(start_evaluation(bench, str(ckpt.resolve()), step, train_run_of(ckpt, root),
+    for step, ckpt, root in found:
+        missing = [bench for bench in benches if (str(ckpt.resolve()), step) not in have[bench]]
+        done += len(benches) - len(missing)
+        if missing:   # one evaluation for the checkpoint's missing benchmarks: one engine load per slot
+            started.append(start_evaluation(missing, str(ckpt.resolve()), step, train_run_of(ckpt, root),
                                             eval_overrides, relaunch_failed=True))
-    get_run_logger().info("%d checkpoints x %d benchmarks: %d already evaluated, %d started or in progress",
+    get_run_logger().info("%d checkpoints x %d benchmarks: %d already evaluated, %d evaluations started or in progress",
                           len(found), len(benches), done, len(started))
     return {"checkpoints": len(found), "already_evaluated": done, "started": started}
 

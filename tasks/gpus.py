@@ -72,3 +72,10 @@ def gpu_slots(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
     with concurrency(name, occupy=tp, strict=False, raise_on_lease_renewal_failure=False):
         log.info("holding %d GPU slot(s) of %r", tp, name)
         yield
+
+
+def pool_gpu_slots(name: str = GPU_LIMIT) -> int:
+    """GPUs of the gpu pool as the `evaldag-gpus` limit counts them (1 when it is missing or inactive: without the
+    limit nothing says how many shards can run at once, and one shard never waits behind another)."""
+    limit = _read_limit(name)
+    return limit.limit if limit is not None and limit.active and limit.limit > 0 else 1

@@ -8,9 +8,10 @@ from evaldag.plan import EvalRequest, resolve
 
 
 @task(name="resolve", persist_result=True, retries=0)
-def resolve_task(request: EvalRequest) -> str:
-    """Validate the request, resolve model and data, write the plan; returns the plan's path."""
-    plan = resolve(request)
+def resolve_task(request: EvalRequest, gpu_slots: int = 1) -> str:
+    """Validate the request, resolve model and data, write the plan (shards fitting `gpu_slots`); returns the
+    plan's path."""
+    plan = resolve(request, gpu_slots=gpu_slots)
     get_run_logger().info("eval_key %s: %s on %s, %d problems in %d shards -> %s", plan.eval_key[:12],
                           plan.resolved_model.name, plan.benchmark.name, plan.n_problems, plan.num_shards,
                           plan.result_dir)

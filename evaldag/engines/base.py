@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Callable, Protocol
 
 from evaldag.config import SamplingConfig
@@ -38,6 +39,13 @@ class Engine(Protocol):
         """One batch of the plan, seeded by its index (so a re-run batch repeats itself)."""
         ...
 
+    def generate_batches(self, batches: list[tuple[int, list[str]]],
+                         sampling: SamplingConfig) -> Iterator[tuple[int, list[list[Completion]]]]:
+        """Several batches of the plan, (batch index, prompts) each; yields (batch index, completions) as each
+        batch completes. Same completions as generate_batch per batch; an engine that batches continuously (vLLM)
+        keeps its scheduler full across batch boundaries instead of draining it at the end of every batch."""
+        ...
+
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]: ...
 
@@ -66,13 +74,21 @@ def batches_by_length(lengths: list[int], batch_size: int, n: int) -> list[list[
     return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
 
 
+def batches_one_by_one(engine: Engine, batches: list[tuple[int, list[str]]],
+                       sampling: SamplingConfig) -> Iterator[tuple[int, list[list[Completion]]]]:
+    """`Engine.generate_batches` for an engine with static batches (transformers): one generate_batch each."""
+    for b, prompts in batches:
+        yield b, engine.generate_batch(prompts, sampling, b)
+
+
 def generate_in_batches(engine: Engine, prompts: list[str], sampling: SamplingConfig,
                         progress: Progress | None = None) -> list[list[Completion]]:
     """`Engine.generate` for any engine: its plan's batches one after another, results in the order of `prompts`."""
     results: list[list[Completion] | None] = [None] * len(prompts)
     done, tokens, start = 0, 0, time.perf_counter()
-    for b, idx in enumerate(engine.plan_batches(prompts, sampling)):
-        batch = engine.generate_batch([prompts[i] for i in idx], sampling, b)
+    plan = engine.plan_batches(prompts, sampling)
+    for b, batch in engine.generate_batches([(b, [prompts[i] for i in idx]) for b, idx in enumerate(plan)], sampling):
+        idx = plan[b]
         for i, comps in zip(idx, batch):
             results[i] = comps
             tokens += sum(c.completion_tokens for c in comps)

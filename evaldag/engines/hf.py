@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
+from evaldag.engines.base import (Completion, Progress, batches_by_length, batches_one_by_one, chat_text,
+                                  generate_in_batches)
 
 
 def _keep_freed_memory() -> None:
@@ -91,6 +92,10 @@ class HFEngine:
         """One batch of a plan_batches() plan; the seed depends on the batch's index, so a batch generated again
         (after a crash) gives the same completions as the first time."""
         return self._generate_batch([self._format(p) for p in prompts], sampling, seed=sampling.seed + batch_index)
+
+    def generate_batches(self, batches, sampling):
+        """Static batching: one batch after another (see Engine.generate_batches)."""
+        return batches_one_by_one(self, batches, sampling)
 
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]:

