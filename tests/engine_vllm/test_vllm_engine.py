@@ -162,3 +162,32 @@ def test_stages_with_vllm_leave_no_process(engine, tmp_path):
     assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
     graded = read_table(grade_shard(plan, 0, workers=1), GRADED_SCHEMA)
     assert graded.height == 4
+
+
+def test_batches_streamed_together_match_batches_one_at_a_time(engine):
+    """generate_batches keeps every batch in the engine at once; each batch must come back whole, exactly once,
+    with the completions of its own prompts (the same as generating that batch alone, up to batching numerics)."""
+    sampling = SamplingConfig(max_new_tokens=24)
+    plan = engine.plan_batches(PROMPTS, sampling)
+    batches = [(b, [PROMPTS[i] for i in idx]) for b, idx in enumerate(plan)]
+    streamed = dict(engine.generate_batches(batches, sampling))
+    assert sorted(streamed) == list(range(len(plan)))
+    alone = {b: engine.generate_batch(prompts, sampling, b) for b, prompts in batches}
+    for b, prompts in batches:
+        lengths = [len(engine.tokenizer(engine._format(p), add_special_tokens=False)["input_ids"]) for p in prompts]
+        assert [c[0].prompt_tokens for c in streamed[b]] == lengths
+    same = sum(s[0].token_ids == a[0].token_ids for b in alone for s, a in zip(streamed[b], alone[b]))
+    assert same >= len(PROMPTS) - 1, f"only {same} of {len(PROMPTS)} completions agree"
+
+
+def test_closing_the_stream_early_aborts_what_is_left(engine):
+    """A failure between batches closes the stream; the requests still in the engine must go, so the engine (kept
+    loaded for the retry) starts the retry empty."""
+    sampling = SamplingConfig(max_new_tokens=24)
+    plan = engine.plan_batches(PROMPTS, sampling)
+    stream = engine.generate_batches([(b, [PROMPTS[i] for i in idx]) for b, idx in enumerate(plan)], sampling)
+    next(stream)
+    assert engine.llm.llm_engine.has_unfinished_requests()
+    stream.close()
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    assert len(engine.generate_batch(PROMPTS[:2], sampling, 0)) == 2
