@@ -53,7 +53,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
                           f"{time.time() - t0:.0f} s")
             if fr.state and fr.state.is_final():
                 break
-            time.sleep(3)
+            time.sleep(1)
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
     _print_result(console, benchmark, str(fr.id), time.time() - t0, stack)

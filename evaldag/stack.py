@@ -18,7 +18,8 @@ worker run in their own sessions, so a process-group kill alone would miss them)
 Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5, 5.2):
 - a worker whose SIGINT is inherited as ignored never stops on SIGTERM, so children get SIGINT reset to default;
 - `mlflow server --workers 1` with MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: 2 processes, ~0.5 GB, instead of 15;
-- the worker poll (PREFECT_WORKER_QUERY_SECONDS, default 10 s) dominates run latency, so the local stack uses 2 s.
+- the worker poll (PREFECT_WORKER_QUERY_SECONDS, default 10 s) dominates run latency, so the local stack uses 1 s
+  (one cheap query a second per worker).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class StackSettings(BaseModel):
         "None: nothing to pin (CPU box); workers inherit the caller's CUDA_VISIBLE_DEVICES.")
     cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
     worker_query_seconds: float = Field(
-        2, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
+        1, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
     start_timeout_s: float = Field(180, gt=0, description="How long a server or worker may take to become healthy.")
     stop_timeout_s: float = Field(10, gt=0, description="Grace period per signal (SIGINT, SIGTERM) before SIGKILL.")
 

@@ -36,7 +36,7 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
             SHARD_DEPLOYMENT,
             parameters={"plan_path": [path for path, _ in todo], "shard_index": shard_index},
             flow_run_name=f"{names}-{todo[0][1].eval_key[:8]}-shard{shard_index}of{width}",
-            idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=None, poll_interval=2,
+            idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=None, poll_interval=1,
         )
         if not fr.state.is_completed():
             raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "

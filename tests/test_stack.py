@@ -126,7 +126,7 @@ def test_workers_get_env_and_default_sigint(stack):
         assert env["MLFLOW_TRACKING_URI"] == stack.settings.mlflow_url
         assert env["EVALDAG_HOME"] == str(stack.home)
         assert env["EVALDAG_DATA_DIR"] == str(stack.home / "data")
-        assert env["PREFECT_WORKER_QUERY_SECONDS"] == "2"
+        assert env["PREFECT_WORKER_QUERY_SECONDS"] == f"{stack.settings.worker_query_seconds:g}"
         assert "CUDA_VISIBLE_DEVICES" not in env or env["CUDA_VISIBLE_DEVICES"] == os.environ.get(
             "CUDA_VISIBLE_DEVICES")
     for name, p in procs.items():

