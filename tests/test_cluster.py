@@ -124,3 +124,14 @@ def test_worker_cli_rejects_a_bad_env_pair_and_an_unreachable_head(tmp_path):
     assert result.exit_code == 1
     assert "cannot reach the head's Prefect API at http://127.0.0.1:9/api" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_automation_file_for_other_servers_is_the_one_up_creates():
+    import yaml
+    from prefect.events.schemas.automations import AutomationCore
+
+    from evaldag import paths
+
+    text = (paths.REPO_ROOT / "deployments" / "crash-automation.yaml").read_text()
+    from_file = AutomationCore.model_validate(yaml.safe_load(text)).model_dump(mode="json")
+    assert cluster._canonical(from_file) == cluster._canonical(cluster.crash_automation(30).model_dump(mode="json"))
