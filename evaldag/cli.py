@@ -63,6 +63,24 @@ def up(
         "must be a multiple of it (env EVALDAG_TP; default 1).", show_default=False)] = None,
     no_deploy: Annotated[bool, typer.Option(
         "--no-deploy", help="Start the stack without running `prefect deploy` of deployments/prefect.yaml.")] = False,
+    host: Annotated[Optional[str], typer.Option(
+        "--host", help="Interface the Prefect and MLflow servers listen on: 0.0.0.0 (all) or an address, so that "
+        "worker nodes (`evaldag worker --server`) can reach them (env EVALDAG_HOST; default 127.0.0.1).",
+        show_default=False)] = None,
+    advertise_host: Annotated[Optional[str], typer.Option(
+        "--advertise-host", help="Address or name worker nodes reach this machine by, published to them (env "
+        "EVALDAG_ADVERTISE_HOST; default: --host, or this machine's address when --host is 0.0.0.0).",
+        show_default=False)] = None,
+    database_url: Annotated[Optional[str], typer.Option(
+        "--database-url", help="Database of the Prefect server, e.g. postgresql+asyncpg://user:pw@db:5432/prefect "
+        "(env EVALDAG_DATABASE_URL; default SQLite in the state folder).", show_default=False)] = None,
+    postgres: Annotated[Optional[bool], typer.Option(
+        "--postgres/--sqlite", help="Run the Prefect server on a private PostgreSQL cluster the stack starts "
+        "(Debian's postgresql package; env EVALDAG_POSTGRES=1, port EVALDAG_POSTGRES_PORT, default 5433).",
+        show_default=False)] = None,
+    heartbeat_s: Annotated[Optional[int], typer.Option(
+        "--heartbeat-s", min=30, help="Seconds between flow-run heartbeats; a run silent for 3 periods (its node "
+        "lost) is set Crashed and relaunched (env EVALDAG_HEARTBEAT_S; default 30).", show_default=False)] = None,
 ) -> None:
     """Start the local stack (Prefect server, work pools and workers, MLflow server) and deploy the flows."""
     from rich.console import Console
@@ -70,7 +88,8 @@ def up(
     from evaldag.stack import Stack, StackSettings
 
     console = Console(highlight=False)
-    stack = Stack(StackSettings.from_env(num_gpus=gpus, tp=tp))
+    stack = Stack(StackSettings.from_env(num_gpus=gpus, tp=tp, host=host, advertise_host=advertise_host,
+                                         database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
     if report.started:
@@ -88,9 +107,80 @@ def up(
     pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
     console.print(f"  gpu pool:   {st.gpu_workers} worker(s) x {st.tp} GPU(s) [{pins or 'none'}], concurrency "
                   f"limit evaldag-gpus = {st.num_gpus}", markup=False)
+    if st.postgres or st.database_url:
+        db = f"private PostgreSQL in {stack.postgres_dir}" if st.postgres else "as given by --database-url"
+        console.print(f"  database:   {db}", markup=False)
+    if st.host != st.local_host or st.advertise_host:
+        console.print(f"  join a GPU node: evaldag worker --server http://{st.public_host}:{st.prefect_port} --gpus N",
+                      markup=False)
     console.print("To use it from this shell:")
     for line in stack.env_lines():
         console.print(f"  {line}", markup=False)
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{pair!r} is not KEY=VALUE", param_hint="--env")
+        env[key.strip()] = value
+    return env
+
+
+@app.command()
+def worker(
+    server: Annotated[str, typer.Option(
+        "--server", help="The head's Prefect server, e.g. http://head:4200 (started there with `evaldag up --host "
+        "0.0.0.0`).", show_default=False)],
+    gpus: Annotated[Optional[int], typer.Option(
+        "--gpus", min=1, help="GPUs of this node for the `gpu` pool: --gpus/--tp workers, each pinned to --tp GPUs "
+        "(EVALDAG_GPUS, else the GPUs this node shows); on a node without GPUs, shard slots (default 1).",
+        show_default=False)] = None,
+    tp: Annotated[Optional[int], typer.Option("--tp", min=1, help="GPUs per gpu worker (default 1).",
+                                              show_default=False)] = None,
+    name: Annotated[Optional[str], typer.Option(
+        "--name", help="Node name, the prefix of its workers' names (env EVALDAG_NODE_NAME; default the host "
+        "name); must be unique among the nodes of the head.", show_default=False)] = None,
+    mlflow_url: Annotated[Optional[str], typer.Option(
+        "--mlflow-url", help="MLflow server for this node's workers (default: the one the head publishes).",
+        show_default=False)] = None,
+    results_url: Annotated[Optional[str], typer.Option(
+        "--results-url", help="Result store for this node's workers (default: the head's; it must be the same "
+        "store, e.g. s3://bucket/prefix).", show_default=False)] = None,
+    env: Annotated[Optional[list[str]], typer.Option(
+        "--env", help="KEY=VALUE for this node's workers, over what the head publishes (credentials, paths); "
+        "repeatable.", show_default=False)] = None,
+) -> None:
+    """Join this machine to a head as a GPU node: start its `gpu` pool workers, pinned to its GPUs, pointed at the
+    head's Prefect API, MLflow and result store (published by the head's `evaldag up`). State lives in this node's
+    EVALDAG_HOME; `evaldag down` stops them."""
+    from rich.console import Console
+
+    from evaldag.stack import Stack, StackSettings
+
+    overrides = _env_pairs(env or [])
+    if mlflow_url:
+        overrides["MLFLOW_TRACKING_URI"] = mlflow_url
+    if results_url:
+        overrides["EVALDAG_RESULTS_URL"] = results_url
+    console = Console(highlight=False)
+    stack = Stack(StackSettings.from_env(server=server, num_gpus=gpus, tp=tp, node_name=name,
+                                         worker_env=overrides))
+    with console.status(f"joining {stack.settings.server} from {stack.home} ..."):
+        report = stack.up(deploy=False)
+    if report.started:
+        console.print(f"started: {', '.join(report.started)}", markup=False)
+    if report.kept:
+        console.print(f"already running: {', '.join(report.kept)}", markup=False)
+    if report.stopped:
+        console.print(f"stopped (no longer configured): {', '.join(report.stopped)}", markup=False)
+    st = stack.settings
+    pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
+    console.print(f"[green]node {st.node_name} joined {st.server}[/] ({report.elapsed_s:.1f} s, state in "
+                  f"{stack.home})")
+    console.print(f"  gpu workers: {st.gpu_workers} x {st.tp} GPU(s) [{pins}]", markup=False)
+    console.print(f"  MLflow:      {stack.mlflow_url}", markup=False)
 
 
 @app.command()

@@ -1,5 +1,11 @@
 """The local stack: a Prefect server, process work pools `cpu`/`gpu` with their workers, and an MLflow server.
 
+Two roles share this code. A head (`evaldag up`) runs the servers (Prefect on SQLite, or on PostgreSQL: a private
+cluster with `--postgres`, any server with `--database-url`), the pools, a `cpu` worker and its own gpu workers,
+and publishes what worker nodes need (evaldag.cluster). A worker node (`evaldag worker --server http://head:4200`,
+`StackSettings.server` set) runs only its gpu workers, pointed at the head. Every worker sends flow-run heartbeats
+(`heartbeat_s`), and the head's crash automation turns a run whose heartbeats stop into Crashed (lost nodes).
+
 The `gpu` pool gets num_gpus // tp workers, each pinned to tp GPUs (evaldag.gpus.assign_gpus), and the server a
 global concurrency limit `evaldag-gpus` with one slot per GPU, which shard flows hold while generating.
 
@@ -9,6 +15,7 @@ Everything lives under one state directory, `evaldag.paths.home()`:
     <home>/mlflow/           mlflow.db (SQLite backend store) and artifacts/
     <home>/logs/<name>.log   stdout+stderr of every component, and deploy.log
     <home>/stack/state.json  what `up` started: pid + process create time (so a recycled pid is never ours), URLs
+    evaldag.postgres.default_dir(home)   the private PostgreSQL cluster, when asked for (`--postgres`)
 
 `Stack.up()` is idempotent: a component that is alive, ours and configured as asked is left alone; a dead one, or
 one started with another configuration, is (re)started. `Stack.down()` stops workers first, then the servers, and
@@ -42,14 +49,16 @@ from typing import Any, Iterator, NamedTuple
 
 import httpx
 import psutil
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from evaldag import paths, prefect_results, store
+from evaldag import cluster, paths, prefect_results, store
+from evaldag import postgres as pg
 from evaldag.errors import EvalDagError, StackError
 from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
 PREFECT_SERVER = "prefect-server"
 MLFLOW_SERVER = "mlflow-server"
+POSTGRES = "postgres"
 CPU_WORKER = "cpu-worker"
 SERVERS = (PREFECT_SERVER, MLFLOW_SERVER)
 POOLS = ("cpu", "gpu")
@@ -62,7 +71,10 @@ _CHILDREN: dict[int, subprocess.Popen] = {}  # components started by this proces
 _STACK_ENV = {
     "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_GPU_WORKERS",
     "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
+    "EVALDAG_ADVERTISE_HOST", "EVALDAG_DATABASE_URL", "EVALDAG_POSTGRES", "EVALDAG_POSTGRES_PORT",
+    "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME",
 }
+_WILDCARD = ("0.0.0.0", "::", "")
 
 
 class StackSettings(BaseModel):
@@ -88,6 +100,52 @@ class StackSettings(BaseModel):
         1, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
     start_timeout_s: float = Field(180, gt=0, description="How long a server or worker may take to become healthy.")
     stop_timeout_s: float = Field(10, gt=0, description="Grace period per signal (SIGINT, SIGTERM) before SIGKILL.")
+    advertise_host: str | None = Field(
+        None, description="Address worker nodes reach this head by (EVALDAG_ADVERTISE_HOST); default: `host`, or "
+                          "this machine's address when `host` is 0.0.0.0.")
+    heartbeat_s: int = Field(
+        cluster.MIN_HEARTBEAT_S, ge=cluster.MIN_HEARTBEAT_S,
+        description="Seconds between flow-run heartbeats of the workers (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, "
+                    "EVALDAG_HEARTBEAT_S); a run silent for 3 periods is set Crashed by the head's automation.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL of the Prefect server's database (EVALDAG_DATABASE_URL), e.g. "
+                          "postgresql+asyncpg://user:pw@db:5432/prefect; default: SQLite in <home>/prefect.")
+    postgres: bool = Field(False, description="Run the Prefect server on a private PostgreSQL cluster that the "
+                                              "stack starts (EVALDAG_POSTGRES=1, `--postgres`).")
+    postgres_port: int = Field(5433, ge=1, le=65535, description="Port of that cluster on 127.0.0.1.")
+    postgres_dir: Path | None = Field(None, description="Folder of that cluster (EVALDAG_POSTGRES_DIR); default "
+                                                        "evaldag.postgres.default_dir(home).")
+    server: str | None = Field(
+        None, description="Set on a worker node: the head's Prefect URL (http://head:4200). The node runs only "
+                          "gpu workers, configured from the head (evaldag.cluster) and `worker_env`.")
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1,
+                           description="Name of a worker node (EVALDAG_NODE_NAME): prefix of its workers' names.")
+    worker_env: dict[str, str] = Field(default_factory=dict, description="Variables a worker node's workers get "
+                                       "over the head's (`evaldag worker --env K=V`, --mlflow-url, --results-url).")
+
+    @model_validator(mode="after")
+    def _database_choice(self) -> StackSettings:
+        if self.postgres and self.database_url:
+            raise ValueError("--postgres starts a private PostgreSQL cluster and --database-url names another "
+                             "database; give one of them")
+        url = self.database_url
+        if url and not url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+            hint = ("postgresql+asyncpg://" + url.split("://", 1)[1]) if url.startswith(("postgres://",
+                                                                                         "postgresql://")) else None
+            raise ValueError(f"database_url {url!r} is not one the Prefect server can use: it needs "
+                             "postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (or sqlite+aiosqlite:///PATH)"
+                             + (f"; did you mean {hint}?" if hint else ""))
+        return self
+
+    @field_validator("server")
+    @classmethod
+    def _server_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return cluster.server_url(value)
+        except StackError as e:
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
     def _gpus_match_workers(self) -> StackSettings:
@@ -129,9 +187,14 @@ class StackSettings(BaseModel):
                 overrides["num_gpus"] = legacy
         for key, var in (("host", "EVALDAG_HOST"), ("prefect_port", "EVALDAG_PREFECT_PORT"),
                          ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("num_gpus", "EVALDAG_GPU_WORKERS"),
-                         ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS")):
+                         ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS"),
+                         ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
+                         ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
+                         ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME")):
             if env.get(var):
                 values[key] = env[var]
+        if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
+            values["postgres"] = True
         if env.get("EVALDAG_GPUS"):
             values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
             values.setdefault("num_gpus", len(values["gpus"]))
@@ -152,8 +215,19 @@ class StackSettings(BaseModel):
             raise StackError(f"invalid stack settings: {e}") from None
 
     @property
+    def local_host(self) -> str:
+        """The address clients on this machine use: `host`, or 127.0.0.1 when the servers listen everywhere."""
+        return "127.0.0.1" if self.host in _WILDCARD else self.host
+
+    @property
+    def public_host(self) -> str:
+        """The address other hosts use (advertise_host, else evaldag.cluster.public_host(host))."""
+        return self.advertise_host or cluster.public_host(self.host)
+
+    @property
     def prefect_url(self) -> str:
-        return f"http://{self.host}:{self.prefect_port}"
+        """The Prefect server for this machine's clients (a worker node: the head's)."""
+        return self.server or f"http://{self.local_host}:{self.prefect_port}"
 
     @property
     def prefect_api_url(self) -> str:
@@ -161,7 +235,7 @@ class StackSettings(BaseModel):
 
     @property
     def mlflow_url(self) -> str:
-        return f"http://{self.host}:{self.mlflow_port}"
+        return f"http://{self.local_host}:{self.mlflow_port}"
 
 
 class ComponentStatus(NamedTuple):
@@ -191,7 +265,7 @@ class _Spec:
     """How one component is started; `key` is what must match for a running component to be kept."""
 
     name: str
-    kind: str  # "server" or "worker"
+    kind: str  # "server", "worker" or "db" (stopped last, after the servers that use it)
     argv: list[str]
     env: dict[str, str]           # overrides on top of the caller's environment
     cwd: Path
@@ -199,6 +273,13 @@ class _Spec:
     port: int | None = None
     pool: str | None = None
     key: dict[str, Any] = field(default_factory=dict)
+    popen: dict[str, Any] = field(default_factory=dict)  # extra subprocess.Popen arguments (user=, group=)
+
+
+_STOP_ORDER = {"worker": 0, "server": 1, "db": 2}
+# MLflow's default allowed Host headers (mlflow.server.security_utils): a head reached by a name needs it added
+_MLFLOW_ALLOWED_HOSTS = ("localhost,127.0.0.1,[::1],0.0.0.0,localhost:*,127.0.0.1:*,[[]::1]:*,0.0.0.0:*,192.168.*,"
+                         "10.*," + ",".join(f"172.{i}.*" for i in range(16, 32)) + ",fc00:*,fd00:*")
 
 
 def _reset_sigint() -> None:  # runs in the child between fork and exec
@@ -232,11 +313,17 @@ class Stack:
         return paths.REPO_ROOT / "deployments" / "prefect.yaml"
 
     def up(self, deploy: bool = True) -> UpReport:
-        """Start what is missing, wait until everything is healthy, then deploy (if `deploy`). Idempotent."""
+        """Start what is missing, wait until everything is healthy, then deploy (if `deploy`). Idempotent.
+
+        On a worker node (settings.server set) this starts only the node's gpu workers, configured from the head,
+        and never deploys (the head did)."""
         t0 = time.monotonic()
         report = UpReport()
+        node = self.settings.server is not None
         with self._lock():
             state = self._load_state() or self._new_state()
+            self._check_role(state)
+            state["role"] = "node" if node else "head"
             specs = self._desired_specs(state["stack_id"])
             comps: dict[str, dict] = state["components"]
 
@@ -264,24 +351,38 @@ class Stack:
                 for name in to_start:
                     if specs[name].port is not None:
                         self._check_port_free(specs[name])
-                # 3. Both servers at once (they are independent), then pools, workers, health.
+                # 3. The database, then both servers at once (they are independent), then pools, workers, health.
+                if POSTGRES in specs:
+                    if POSTGRES in to_start:
+                        comps[POSTGRES] = self._spawn(specs[POSTGRES])
+                        started.append(POSTGRES)
+                        self._save_state(state)
+                    self._wait_healthy(state, [POSTGRES])
+                    pg.ensure_database(self._pg_credentials(), self.settings.postgres_port)
                 for name in SERVERS:
                     if name in to_start:
                         comps[name] = self._spawn(specs[name])
                         started.append(name)
                         self._save_state(state)
-                self._wait_healthy(state, [PREFECT_SERVER])
-                self._ensure_pools()
-                # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
-                self._ensure_gpu_limit(reset_slots=PREFECT_SERVER in started)
-                # flow and task results go to the workers' result store, where every node can read them
-                prefect_results.configure(self.settings.prefect_api_url, self._results_root())
+                if node:
+                    self._check_head_pools()
+                else:
+                    self._wait_healthy(state, [PREFECT_SERVER])
+                    self._ensure_pools()
+                    # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
+                    self._ensure_gpu_limit(reset_slots=PREFECT_SERVER in started)
+                    # flow and task results go to the workers' result store, where every node can read them
+                    prefect_results.configure(self.settings.prefect_api_url, self._results_root())
+                    # lost nodes: runs whose heartbeats stop are set Crashed, so their parents relaunch them
+                    cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s)
+                    cluster.publish(self.settings.prefect_api_url, self._cluster_info())
                 workers = [n for n in to_start if specs[n].kind == "worker"]
                 for name in workers:
                     comps[name] = self._spawn(specs[name])
                     started.append(name)
                 self._save_state(state)
-                self._wait_healthy(state, [MLFLOW_SERVER])
+                if not node:
+                    self._wait_healthy(state, [MLFLOW_SERVER])
                 self._wait_workers_online(state, workers)  # kept workers are checked by status()
             except BaseException:
                 # Leave no half-started stack behind: stop what this call started (what ran before stays).
@@ -293,7 +394,7 @@ class Stack:
                     self._save_state(state) if comps else self._remove_state()
                 raise
             report.started = started
-        if deploy:
+        if deploy and not node:
             self.deploy()
             report.deployed = True
         report.elapsed_s = time.monotonic() - t0
@@ -332,7 +433,7 @@ class Stack:
             if not state:
                 return []
             comps = state["components"]
-            order = sorted(comps, key=lambda n: comps[n]["kind"] != "worker")  # stop order: workers, then servers
+            order = sorted(comps, key=lambda n: _STOP_ORDER.get(comps[n]["kind"], 1))  # workers, servers, db
             running = [n for n in order if self._alive(comps[n])]
             self._stop(state, list(comps))
             self._sweep(state["stack_id"])
@@ -351,7 +452,7 @@ class Stack:
             alive = self._alive(rec)
             if not alive:
                 healthy = False
-            elif rec["kind"] == "server":
+            elif rec["kind"] in ("server", "db"):
                 healthy = self._server_healthy(name, rec["url"])
             else:
                 healthy = name in online
@@ -392,14 +493,28 @@ class Stack:
         s = self.settings
         home = self.home
         prefect_home = home / "prefect"
-        mlflow_dir = home / "mlflow"
         common = {"EVALDAG_HOME": str(home), STACK_ID_ENV: stack_id, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        if s.server is not None:
+            return self._node_specs(common)
+        mlflow_dir = home / "mlflow"
         repo = {"EVALDAG_REPO": _repo()}  # where flow runs start (the pull step of deployments/prefect.yaml)
         specs: dict[str, _Spec] = {}
 
+        db_url = s.database_url or f"sqlite+aiosqlite:///{prefect_home / 'prefect.db'}"
+        if s.postgres:
+            root = self.postgres_dir
+            creds = pg.ensure_cluster(root)
+            db_url = pg.url(creds, s.postgres_port)
+            argv = pg.server_argv(root, s.postgres_port)
+            specs[POSTGRES] = _Spec(POSTGRES, "db", argv, dict(common), root, f"postgresql://127.0.0.1:"
+                                    f"{s.postgres_port}", s.postgres_port, key={"argv": argv}, popen=pg.run_as())
+
         argv = [_cli("prefect"), "server", "start", "--host", s.host, "--port", str(s.prefect_port)]
         env = {**common, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
-               "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{prefect_home / 'prefect.db'}"}
+               "PREFECT_SERVER_DATABASE_CONNECTION_URL": db_url}
+        if s.host != s.local_host or s.advertise_host:
+            # the UI runs in browsers on other hosts: it must call the API by an address they reach
+            env["PREFECT_UI_API_URL"] = f"http://{s.public_host}:{s.prefect_port}/api"
         specs[PREFECT_SERVER] = _Spec(PREFECT_SERVER, "server", argv, env, home, s.prefect_url, s.prefect_port,
                                       key={"argv": argv, "env": env})
 
@@ -408,36 +523,132 @@ class Stack:
                 "--artifacts-destination", str(mlflow_dir / "artifacts"),
                 "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1"]
         env = {**common, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        if s.advertise_host and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):
+            # MLflow answers 403 to a Host header it does not know; private addresses are known, names are not
+            env["MLFLOW_SERVER_ALLOWED_HOSTS"] = f"{_MLFLOW_ALLOWED_HOSTS},{s.advertise_host},{s.advertise_host}:*"
         specs[MLFLOW_SERVER] = _Spec(MLFLOW_SERVER, "server", argv, env, home, s.mlflow_url, s.mlflow_port,
                                      key={"argv": argv, "env": env})
 
         passthrough = self._worker_settings()
         # where checkpoint events may point: examples/train_sft.py writes to <repo>/runs unless told otherwise
         passthrough.setdefault("EVALDAG_CHECKPOINT_ROOTS", str(paths.REPO_ROOT / "runs"))
-        worker_env = {**passthrough, **common, **repo, "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
-                      "MLFLOW_TRACKING_URI": s.mlflow_url,
-                      "PREFECT_WORKER_QUERY_SECONDS": f"{s.worker_query_seconds:g}",
-                      # progress lines of the core (generation tok/s per batch) reach the Prefect UI too
-                      "PREFECT_LOGGING_EXTRA_LOGGERS": "evaldag",
-                      # fail an MLflow call within seconds and let the track task's backoff retry it, instead of
-                      # MLflow's own retries blocking a worker slot for minutes
-                      "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+        worker_env = {**passthrough, **common, **repo, **self._worker_runtime_env(),
+                      "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
+                      "MLFLOW_TRACKING_URI": s.mlflow_url}
         workers = [(CPU_WORKER, "cpu", s.cpu_worker_limit, None)]
         workers += [(f"gpu-worker-{i}", "gpu", 1, ",".join(ids) if ids is not None else None)
                     for i, ids in enumerate(s.gpu_assignment)]
         for name, pool, limit, gpu in workers:
-            argv = [_cli("prefect"), "worker", "start", "--pool", pool, "--name", name, "--type", "process",
-                    "--limit", str(limit)]
-            env = dict(worker_env)
-            if gpu is not None:
-                env["CUDA_VISIBLE_DEVICES"] = gpu
-            elif pool == "gpu" and s.gpu_workers > 1:
-                # unpinned slots share this machine's cores: two torch processes with all cores each
-                # oversubscribe them and both slow down (see the CPU notes), so each gets its share
-                env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.gpu_workers))
-            specs[name] = _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
-                                key={"argv": argv, "env": env, "passthrough": passthrough})
+            specs[name] = self._worker_spec(name, pool, limit, gpu, worker_env, passthrough)
         return specs
+
+    def _node_specs(self, common: dict[str, str]) -> dict[str, _Spec]:
+        """A worker node's gpu workers: the head's Prefect API, its published MLflow URL, result store and
+        settings (evaldag.cluster), the node's `worker_env` over them, and this node's own state folder."""
+        s = self.settings
+        info = self._head_info()
+        passthrough = {**info.env, **self._worker_settings(), **s.worker_env}
+        worker_env = {**passthrough, **common, "EVALDAG_REPO": _repo(), **self._worker_runtime_env(),
+                      "PREFECT_HOME": str(self.home / "prefect"), "PREFECT_API_URL": s.prefect_api_url,
+                      "MLFLOW_TRACKING_URI": s.worker_env.get("MLFLOW_TRACKING_URI",
+                                                              cluster.reachable(info.mlflow_url, s.server)),
+                      "EVALDAG_RESULTS_URL": s.worker_env.get("EVALDAG_RESULTS_URL", info.results_url)}
+        # the head's crash automation expects its period; a node that beat slower would be crashed while alive
+        worker_env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(info.heartbeat_s)
+        return {name: self._worker_spec(name, "gpu", 1, ",".join(ids) if ids is not None else None, worker_env,
+                                        passthrough)
+                for name, ids in ((f"{s.node_name}-gpu-{i}", ids) for i, ids in enumerate(s.gpu_assignment))}
+
+    def _worker_runtime_env(self) -> dict[str, str]:
+        """Prefect and MLflow client settings every worker of this stack (head or node) runs with."""
+        return {
+            "PREFECT_WORKER_QUERY_SECONDS": f"{self.settings.worker_query_seconds:g}",
+            # lost nodes: a flow run's heartbeat stops with its process; the head's automation then crashes it
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(self.settings.heartbeat_s),
+            # progress lines of the core (generation tok/s per batch) reach the Prefect UI too
+            "PREFECT_LOGGING_EXTRA_LOGGERS": "evaldag",
+            # fail an MLflow call within seconds and let the track task's backoff retry it, instead of
+            # MLflow's own retries blocking a worker slot for minutes
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+    def _worker_spec(self, name: str, pool: str, limit: int, gpu: str | None, worker_env: dict[str, str],
+                     passthrough: dict[str, str]) -> _Spec:
+        s = self.settings
+        argv = [_cli("prefect"), "worker", "start", "--pool", pool, "--name", name, "--type", "process",
+                "--limit", str(limit)]
+        env = dict(worker_env)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        elif pool == "gpu" and s.gpu_workers > 1 and "EVALDAG_TORCH_THREADS" not in env:
+            # unpinned slots share this machine's cores: two torch processes with all cores each
+            # oversubscribe them and both slow down (see the CPU notes), so each gets its share
+            env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.gpu_workers))
+        return _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
+                     key={"argv": argv, "env": env, "passthrough": passthrough})
+
+    def _head_info(self) -> cluster.ClusterInfo:
+        """What the head publishes (fetched once per Stack); with --mlflow-url and --results-url both given on
+        the command line, a head without the block (not started by `evaldag up`) is fine too."""
+        if getattr(self, "_info", None) is None:
+            s = self.settings
+            try:
+                self._info = cluster.fetch(s.prefect_api_url)
+            except StackError:
+                if not {"MLFLOW_TRACKING_URI", "EVALDAG_RESULTS_URL"} <= s.worker_env.keys():
+                    raise
+                self._info = cluster.ClusterInfo(prefect_url=s.server, mlflow_url=s.worker_env["MLFLOW_TRACKING_URI"],
+                                                 results_url=s.worker_env["EVALDAG_RESULTS_URL"],
+                                                 heartbeat_s=s.heartbeat_s)
+        return self._info
+
+    def _cluster_info(self) -> cluster.ClusterInfo:
+        """What this head publishes for its worker nodes."""
+        s = self.settings
+        host = s.public_host
+        worker_env = {**self._worker_settings()}
+        return cluster.ClusterInfo(
+            prefect_url=f"http://{host}:{s.prefect_port}", mlflow_url=f"http://{host}:{s.mlflow_port}",
+            results_url=self._results_root(), heartbeat_s=s.heartbeat_s,
+            env=cluster.shared_env(worker_env, os.environ), head=socket.gethostname())
+
+    def _check_role(self, state: dict) -> None:
+        """A home is either a head or a worker node; never turn one into the other by accident."""
+        role = state.get("role", "head")
+        want = "node" if self.settings.server is not None else "head"
+        if not state["components"] or role == want:
+            return
+        if role == "node":
+            raise StackError(f"{self.home} holds a worker node of {state['urls']['prefect']}; run `evaldag worker "
+                             f"--server ...` to change it, or `evaldag down` first (or use another EVALDAG_HOME)")
+        raise StackError(f"{self.home} holds a head stack (Prefect and MLflow servers); a worker node needs a state "
+                         "folder of its own: set EVALDAG_HOME to another folder, or `evaldag down` first")
+
+    def _check_head_pools(self) -> None:
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30) as client:
+            try:
+                r = client.get("/work_pools/gpu")
+            except httpx.HTTPError as e:
+                raise StackError(f"cannot reach the head's Prefect API at {self.settings.prefect_api_url}: {e}")
+        if r.status_code != 200:
+            raise StackError(f"the Prefect server at {self.settings.server} has no `gpu` work pool (HTTP "
+                             f"{r.status_code}); run `evaldag up` on the head first")
+
+    @property
+    def postgres_dir(self) -> Path:
+        """Folder of the private PostgreSQL cluster (settings.postgres_dir, else evaldag.postgres.default_dir)."""
+        d = self.settings.postgres_dir
+        return Path(d).expanduser().resolve() if d else pg.default_dir(self.home)
+
+    def _pg_credentials(self) -> dict[str, str]:
+        return pg.ensure_cluster(self.postgres_dir)
+
+    def _urls(self) -> dict[str, str]:
+        s = self.settings
+        if s.server is not None:
+            info = self._head_info()
+            return {"prefect": s.server,
+                    "mlflow": s.worker_env.get("MLFLOW_TRACKING_URI", cluster.reachable(info.mlflow_url, s.server))}
+        return {"prefect": s.prefect_url, "mlflow": s.mlflow_url}
 
     def _results_root(self) -> str:
         """The workers' result store: their EVALDAG_RESULTS_URL (or _DIR), else <home>/results."""
@@ -475,7 +686,7 @@ class Stack:
             started_at = time.time()
             proc = subprocess.Popen(spec.argv, cwd=spec.cwd, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL,
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=_reset_sigint)
+                                    preexec_fn=_reset_sigint, **spec.popen)
         _CHILDREN[proc.pid] = proc
         return {
             "kind": spec.kind, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
@@ -506,15 +717,18 @@ class Stack:
             del _CHILDREN[pid]
 
     def _stop(self, state: dict, names: list[str]) -> None:
-        """Stop components: workers first (SIGINT, SIGTERM, SIGKILL), then servers (SIGTERM, SIGKILL)."""
+        """Stop components: workers first (SIGINT, SIGTERM, SIGKILL), then servers (SIGTERM, SIGKILL), then the
+        database (SIGINT to the postmaster alone: PostgreSQL's fast shutdown, which stops its own children)."""
         comps = state["components"]
-        workers = [n for n in names if n in comps and comps[n]["kind"] == "worker"]
-        servers = [n for n in names if n in comps and comps[n]["kind"] != "worker"]
-        for group, signals in ((workers, (signal.SIGINT, signal.SIGTERM)), (servers, (signal.SIGTERM,))):
+        names = [n for n in names if n in comps]
+        kinds = {n: comps[n]["kind"] if comps[n]["kind"] in _STOP_ORDER else "server" for n in names}
+        for kind, signals in (("worker", (signal.SIGINT, signal.SIGTERM)), ("server", (signal.SIGTERM,)),
+                              ("db", (signal.SIGINT,))):
+            group = [comps[n] for n in names if kinds[n] == kind]
             if group:
-                self._terminate([comps[n] for n in group], signals)
+                self._terminate(group, signals, leader_only=kind == "db")
 
-    def _terminate(self, recs: list[dict], signals: tuple[int, ...]) -> None:
+    def _terminate(self, recs: list[dict], signals: tuple[int, ...], leader_only: bool = False) -> None:
         """Signal each component's process group (pgid == pid: each leads its own session), plus descendants that
         left the group (flow runs run in their own sessions); escalate to SIGKILL; wait until all are gone."""
         leaders: list[psutil.Process] = []
@@ -535,8 +749,11 @@ class Stack:
         for sig in (*signals, signal.SIGKILL):
             for p in leaders:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(p.pid, sig)
-            if sig != signal.SIGINT:  # a worker's SIGINT handler stops its own flow runs first
+                    if leader_only and sig != signal.SIGKILL:
+                        os.kill(p.pid, sig)
+                    else:
+                        os.killpg(p.pid, sig)
+            if sig != signal.SIGINT and not leader_only:  # a worker's SIGINT handler stops its own flow runs first
                 for p in loose:
                     with contextlib.suppress(psutil.Error):
                         p.send_signal(sig)
@@ -573,6 +790,8 @@ class Stack:
     # ------------------------------------------------------------------ health
 
     def _server_healthy(self, name: str, url: str, timeout: float = 2.0) -> bool:
+        if name == POSTGRES:
+            return pg.is_ready(int(url.rsplit(":", 1)[1]))
         try:
             if name == PREFECT_SERVER:
                 r = httpx.get(f"{url}/api/health", timeout=timeout)
@@ -682,7 +901,7 @@ class Stack:
                 time.sleep(0.5)
 
     def _check_port_free(self, spec: _Spec) -> None:
-        host, port = self.settings.host, spec.port
+        host, port = ("127.0.0.1" if spec.name == POSTGRES else self.settings.host), spec.port
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is not "busy"
             try:
@@ -691,8 +910,9 @@ class Stack:
             except OSError as e:
                 err = e
         holder = _port_holder(port)
-        var, what = (("EVALDAG_PREFECT_PORT", "Prefect server") if spec.name == PREFECT_SERVER
-                     else ("EVALDAG_MLFLOW_PORT", "MLflow server"))
+        var, what = {PREFECT_SERVER: ("EVALDAG_PREFECT_PORT", "Prefect server"),
+                     POSTGRES: ("EVALDAG_POSTGRES_PORT", "PostgreSQL cluster")}.get(
+                         spec.name, ("EVALDAG_MLFLOW_PORT", "MLflow server"))
         raise StackError(
             f"port {port} on {host}, needed by the {what}, is busy ({err.strerror}): held by "
             f"{holder or 'a process psutil cannot identify'}. Stop that program, or pick another port, e.g. "
@@ -701,10 +921,8 @@ class Stack:
     # ------------------------------------------------------------------ state
 
     def _new_state(self) -> dict:
-        s = self.settings
         return {"version": STATE_VERSION, "stack_id": uuid.uuid4().hex, "home": str(self.home),
-                "created_at": time.time(), "urls": {"prefect": s.prefect_url, "mlflow": s.mlflow_url},
-                "components": {}}
+                "created_at": time.time(), "urls": self._urls(), "components": {}}
 
     def _load_state(self) -> dict | None:
         try:
@@ -721,11 +939,12 @@ class Stack:
 
     def _save_state(self, state: dict) -> None:
         s = self.settings
-        state["urls"] = {"prefect": s.prefect_url, "mlflow": s.mlflow_url}
-        state["settings"] = s.model_dump(mode="json")
+        state["urls"] = self._urls()
+        state["settings"] = s.model_dump(mode="json", exclude={"worker_env"})  # it may hold credentials
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
+        tmp.chmod(0o600)  # the recorded environments may hold credentials (database, result store)
         tmp.replace(self.state_path)
 
     def _remove_state(self) -> None:

@@ -7,7 +7,7 @@ generates, so the `gpu` pool never runs more GPU work than it has GPUs (evaldag/
 - tp > limit: ConfigError at once (Prefect would answer 422 on every attempt; a shard must never wait forever for
   slots that cannot exist);
 - otherwise the shard waits, as long as it takes, until tp slots are free, and holds them under a lease that a
-  background thread renews; a shard process that dies frees its slots when the lease expires (5 minutes).
+  background thread renews; a shard process that dies frees its slots when the lease expires (LEASE_S).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ import os
 from collections.abc import Iterator
 
 from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus
+
+# A lost shard (its node gone, kill -9) keeps its slots until the lease expires: Prefect's default of 300 s would
+# hold the relaunched shard back for minutes after the crash automation (evaldag.cluster, ~60-95 s) has already
+# released it. The renewal thread renews every 0.75 * LEASE_S, so a live shard never loses its slots.
+LEASE_S = 60
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -69,7 +74,7 @@ def gpu_slots(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
     log.info("waiting for %d of %d GPU slot(s) of %r (%d in use)", tp, limit.limit, name, limit.active_slots)
     # strict=False: a limit deleted between the read above and here means "no limit" (the case handled above);
     # a failed lease renewal (a server hiccup) must not kill an hour-long generation.
-    with concurrency(name, occupy=tp, strict=False, raise_on_lease_renewal_failure=False):
+    with concurrency(name, occupy=tp, strict=False, raise_on_lease_renewal_failure=False, lease_duration=LEASE_S):
         log.info("holding %d GPU slot(s) of %r", tp, name)
         yield
 

@@ -62,13 +62,26 @@ def complete_checkpoint(folder: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def live_stack():
-    """The real local stack with everything in deployments/ deployed; clients in this process point at it."""
+    """The real local stack with everything in deployments/ deployed; clients in this process point at it.
+
+    EVALDAG_TEST_DATABASE=postgres runs its Prefect server on a private PostgreSQL cluster (CI runs the stack
+    tests once that way); the default is SQLite."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from evaldag.stack import Stack, StackSettings
 
-    prefect_port, mlflow_port = free_ports(2)
-    stack = Stack(StackSettings(home=_TMP / "stack-home", prefect_port=prefect_port, mlflow_port=mlflow_port))
+    prefect_port, mlflow_port, pg_port = free_ports(3)
+    database = os.environ.get("EVALDAG_TEST_DATABASE", "sqlite")
+    if database not in ("sqlite", "postgres"):
+        raise pytest.UsageError(f"EVALDAG_TEST_DATABASE={database!r}: use sqlite or postgres")
+    extra = {}
+    if database == "postgres":
+        # under root the cluster runs as `postgres`, which cannot enter this session's 0700 temp folder
+        pg_root = Path(tempfile.mkdtemp(prefix="evaldag-test-pg-"))
+        pg_root.chmod(0o755)
+        extra = {"postgres": True, "postgres_port": pg_port, "postgres_dir": pg_root / "cluster"}
+    stack = Stack(StackSettings(home=_TMP / "stack-home", prefect_port=prefect_port, mlflow_port=mlflow_port,
+                                **extra))
     try:
         stack.up(deploy=True)
         env = {"PREFECT_API_URL": stack.settings.prefect_api_url, "MLFLOW_TRACKING_URI": stack.mlflow_url,
@@ -84,6 +97,10 @@ def live_stack():
                 os.environ[k] = v
     finally:
         stack.down()
+        if extra:
+            import shutil
+
+            shutil.rmtree(extra["postgres_dir"].parent, ignore_errors=True)
 
 
 @pytest.fixture

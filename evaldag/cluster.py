@@ -1,0 +1,205 @@
+"""A stack over several hosts: what a worker node takes from the head, and the guard against lost nodes.
+
+The head (`evaldag up`) publishes, in a Prefect Secret block `evaldag-cluster`, everything a worker node needs beyond
+the Prefect API it is pointed at: the MLflow URL, the result store URL and the credentials and settings its workers
+must share (`AWS_*` for an S3 store, `MLFLOW_TRACKING_*`, the `EVALDAG_*` settings the head's workers run with).
+A node (`evaldag worker --server http://head:4200`) reads it; options given on the node's command line win.
+The Prefect API hands that block to any client that asks: protect the API (a reverse proxy, or
+`PREFECT_SERVER_API_AUTH_STRING`) on a network others can reach, or give nodes their credentials on the command line.
+
+Lost nodes: a flow run whose process dies together with its worker (node lost, kill -9 of both) stays Running
+forever, because nothing is left to report it. Every flow run of evaldag's workers sends a heartbeat event every
+`heartbeat_s` seconds (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, minimum 30), and the head's server gets a proactive
+automation (`crash_automation`) that sets a run Crashed when `3 * heartbeat_s` seconds pass after a heartbeat
+without another heartbeat or a final state. The parent's launch task then relaunches the shard on a live worker.
+Only flow runs tagged `evaldag` are watched: a flow run of anything else on the same server, with Prefect's default
+180 s heartbeat, must never be crashed by a 90 s window.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Mapping
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from evaldag.errors import StackError
+
+CLUSTER_BLOCK = "evaldag-cluster"
+CRASH_AUTOMATION = "evaldag-crash-lost-flow-runs"
+WATCHED_TAG = "evaldag"
+MIN_HEARTBEAT_S = 30  # Prefect's minimum for PREFECT_FLOWS_HEARTBEAT_FREQUENCY
+MISSED_HEARTBEATS = 3  # a run is lost after this many heartbeat periods of silence
+
+# Variables of the head's environment that its nodes' workers need too: result store and MLflow credentials.
+SHARED_ENV_PREFIXES = ("AWS_", "AZURE_STORAGE_", "GOOGLE_CLOUD_PROJECT", "MLFLOW_TRACKING_", "HF_TOKEN")
+# EVALDAG_* settings that describe the head itself, never a node
+_NODE_LOCAL = {"EVALDAG_HOME", "EVALDAG_REPO", "EVALDAG_TORCH_THREADS"}
+_LOOPBACK = {"0.0.0.0", "::", "", "127.0.0.1", "localhost", "::1"}
+
+
+class ClusterInfo(BaseModel):
+    """What the head publishes for its worker nodes (the Secret block `evaldag-cluster`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prefect_url: str = Field(description="The head's Prefect server as other hosts reach it (no /api).")
+    mlflow_url: str = Field(description="The head's MLflow server as other hosts reach it.")
+    results_url: str = Field(description="The result store every worker must share (EVALDAG_RESULTS_URL).")
+    heartbeat_s: int = Field(MIN_HEARTBEAT_S, ge=MIN_HEARTBEAT_S,
+                             description="Flow-run heartbeat period the head's crash automation expects.")
+    env: dict[str, str] = Field(default_factory=dict, description="Settings and credentials for the workers.")
+    head: str = Field("", description="Host name of the head, for messages.")
+
+
+def shared_env(worker_env: Mapping[str, str], caller_env: Mapping[str, str]) -> dict[str, str]:
+    """The part of the head's worker environment that nodes get: EVALDAG_* settings (minus the head's own paths)
+    and the credential variables of `SHARED_ENV_PREFIXES` from the caller's environment."""
+    env = {k: v for k, v in worker_env.items() if k.startswith("EVALDAG_") and k not in _NODE_LOCAL}
+    env.update({k: v for k, v in caller_env.items()
+                if k.startswith(SHARED_ENV_PREFIXES) and k != "MLFLOW_TRACKING_URI"})
+    return env
+
+
+def publish(api_url: str, info: ClusterInfo) -> None:
+    """Save `info` as the Secret block CLUSTER_BLOCK on the Prefect server at `api_url` (overwriting it)."""
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        Secret(value=info.model_dump(mode="json")).save(CLUSTER_BLOCK, overwrite=True, _sync=True)
+
+
+def fetch(api_url: str) -> ClusterInfo:
+    """Read the head's ClusterInfo from its Prefect server; a clear error when the head is unreachable or has none."""
+    import httpx
+    from prefect.blocks.system import Secret
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    try:
+        r = httpx.get(f"{api_url}/health", timeout=10)
+        ok = r.status_code == 200
+    except httpx.HTTPError as e:
+        ok, r = False, e
+    if not ok:
+        raise StackError(f"cannot reach the head's Prefect API at {api_url} ({r}); is `evaldag up --host 0.0.0.0` "
+                         "running there, and can this host reach that address and port?")
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        try:
+            value = Secret.load(CLUSTER_BLOCK, _sync=True).get()
+        except (ValueError, ObjectNotFound):
+            raise StackError(f"the Prefect server at {api_url} has no block {CLUSTER_BLOCK!r}: it was not started "
+                             "with `evaldag up` (or an older evaldag). Run `evaldag up` on the head, or give "
+                             "--mlflow-url and --results-url on this command line") from None
+    return ClusterInfo.model_validate(value)
+
+
+def reachable(url: str, server_url: str) -> str:
+    """`url` as this host reaches it: a wildcard or loopback host (a head that published its own local address)
+    is replaced by the host of `server_url`, the address this node already reaches the head by."""
+    parts, server = urlsplit(url), urlsplit(server_url)
+    if parts.hostname in _LOOPBACK and server.hostname not in _LOOPBACK:
+        netloc = server.hostname + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def server_url(text: str) -> str:
+    """The head's Prefect URL without a trailing `/api`; an error naming the expected form for anything else."""
+    url = text.strip().rstrip("/")
+    url = url[: -len("/api")] if url.endswith("/api") else url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise StackError(f"--server {text!r} is not a URL of a Prefect server; give it as http://HEAD:4200")
+    return url
+
+
+def public_host(bind_host: str) -> str:
+    """The address other hosts reach a server bound to `bind_host` by: the host itself when it is a real address,
+    else this machine's address on its default route (or its host name's)."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # a documentation address: nothing is sent, the kernel picks the route
+            return s.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def crash_automation(heartbeat_s: int):
+    """The proactive automation that crashes a watched flow run `MISSED_HEARTBEATS * heartbeat_s` seconds after its
+    last heartbeat, unless a final state came first (Prefect's documented zombie-flow pattern, limited to
+    flow runs tagged WATCHED_TAG)."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    within = MISSED_HEARTBEATS * heartbeat_s
+    final = [f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")]
+    return AutomationCore(
+        name=CRASH_AUTOMATION,
+        description=f"evaldag: a flow run tagged {WATCHED_TAG!r} that sent no heartbeat for {within} s (its process "
+                    "and worker are gone, e.g. a lost node) is set Crashed, so its parent relaunches it. Workers "
+                    f"send heartbeats every {heartbeat_s} s (PREFECT_FLOWS_HEARTBEAT_FREQUENCY).",
+        trigger=EventTrigger(
+            posture=Posture.Proactive,
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *final},
+            match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
+            match_related=ResourceSpecification({"prefect.resource.role": "tag",
+                                                 "prefect.resource.id": f"prefect.tag.{WATCHED_TAG}"}),
+            for_each={"prefect.resource.id"},
+            threshold=1,
+            within=timedelta(seconds=within),
+        ),
+        actions=[ChangeFlowRunState(
+            state=StateType.CRASHED, name="Crashed",
+            message=f"no heartbeat for {within} s: the flow run's process and its worker were lost (evaldag "
+                    f"automation {CRASH_AUTOMATION!r})")],
+    )
+
+
+def ensure_crash_automation(api_url: str, heartbeat_s: int) -> str:
+    """Create or update the crash automation on the server at `api_url`, exactly one by its name. Idempotent;
+    returns what it did: "created", "updated" or "kept"."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    want = crash_automation(heartbeat_s)
+    body = want.model_dump(mode="json")
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        existing = client.read_automations_by_name(CRASH_AUTOMATION)
+        for extra in existing[1:]:  # two `up`s that raced: keep one
+            client.delete_automation(extra.id)
+        if not existing:
+            client.create_automation(want)
+            return "created"
+        have = existing[0].model_dump(mode="json")
+        if all(_canonical(have.get(k)) == _canonical(v) for k, v in body.items()):
+            return "kept"
+        client.update_automation(existing[0].id, want)
+        return "updated"
+
+
+def _canonical(value):
+    """A JSON value with its lists of strings sorted: sets (after, expect, for_each) come back in any order."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        items = [_canonical(v) for v in value]
+        return sorted(items) if all(isinstance(v, str) for v in items) else items
+    return value
+
+
+__all__ = ["CLUSTER_BLOCK", "CRASH_AUTOMATION", "ClusterInfo", "MIN_HEARTBEAT_S", "MISSED_HEARTBEATS",
+           "WATCHED_TAG", "crash_automation", "ensure_crash_automation", "fetch", "public_host", "publish",
+           "reachable", "server_url", "shared_env"]

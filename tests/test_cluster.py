@@ -1,0 +1,137 @@
+"""Several hosts without starting anything: what a head publishes, how a node builds its workers from it, the
+crash automation's shape, the database settings. The real thing runs in test_cluster_netns_e2e.py and
+test_lost_node_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from evaldag import cluster
+from evaldag.cli import app
+from evaldag.errors import StackError
+from evaldag.stack import CPU_WORKER, Stack, StackSettings
+
+
+def test_server_url_and_reachable_addresses():
+    assert cluster.server_url("http://head:4200/api/") == "http://head:4200"
+    assert cluster.server_url(" https://head.example ") == "https://head.example"
+    with pytest.raises(StackError, match="http://HEAD:4200"):
+        cluster.server_url("head:4200")
+    # a head that published its own loopback or wildcard address is reached by the address the node uses
+    assert cluster.reachable("http://0.0.0.0:5000", "http://10.0.0.1:4200") == "http://10.0.0.1:5000"
+    assert cluster.reachable("http://127.0.0.1:5000", "http://head:4200") == "http://head:5000"
+    assert cluster.reachable("http://mlflow.internal:5000", "http://head:4200") == "http://mlflow.internal:5000"
+    assert cluster.public_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_shared_env_takes_settings_and_credentials_not_the_heads_paths():
+    worker = {"EVALDAG_RESULTS_URL": "s3://b/e", "EVALDAG_HOME": "/head", "EVALDAG_DATA_DIR": "/data"}
+    caller = {"AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+              "MLFLOW_TRACKING_TOKEN": "t", "HOME": "/root", "PATH": "/bin"}
+    assert cluster.shared_env(worker, caller) == {
+        "EVALDAG_RESULTS_URL": "s3://b/e", "EVALDAG_DATA_DIR": "/data", "AWS_SECRET_ACCESS_KEY": "k",
+        "MLFLOW_TRACKING_TOKEN": "t"}
+
+
+def test_crash_automation_watches_only_evaldag_runs_after_three_silent_periods():
+    auto = cluster.crash_automation(30).model_dump(mode="json")
+    trigger = auto["trigger"]
+    assert (trigger["posture"], trigger["within"], trigger["threshold"]) == ("Proactive", 90.0, 1)
+    assert trigger["after"] == ["prefect.flow-run.heartbeat"]
+    assert set(trigger["expect"]) == {"prefect.flow-run.heartbeat", "prefect.flow-run.Completed",
+                                      "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
+                                      "prefect.flow-run.Crashed"}
+    assert trigger["for_each"] == ["prefect.resource.id"]
+    assert trigger["match_related"] == {"prefect.resource.role": "tag", "prefect.resource.id": "prefect.tag.evaldag"}
+    assert auto["actions"][0]["type"] == "change-flow-run-state" and auto["actions"][0]["state"] == "CRASHED"
+    assert cluster.crash_automation(60).trigger.within.total_seconds() == 180
+
+
+def _node(tmp_path, monkeypatch, **kw) -> Stack:
+    info = cluster.ClusterInfo(prefect_url="http://10.0.0.1:4200", mlflow_url="http://0.0.0.0:5000",
+                               results_url="s3://bucket/evals", heartbeat_s=45,
+                               env={"AWS_SECRET_ACCESS_KEY": "from-head", "EVALDAG_DATA_DIR": "/data"})
+    monkeypatch.setattr(cluster, "fetch", lambda api: info)
+    for var in ("EVALDAG_RESULTS_URL", "EVALDAG_RESULTS_DIR", "EVALDAG_GPUS", "EVALDAG_GPU_WORKERS",
+                "EVALDAG_DATA_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    settings = StackSettings(home=tmp_path, server="http://10.0.0.1:4200", node_name="gpu7", num_gpus=2,
+                             gpus=("0", "1"), **kw)
+    return Stack(settings)
+
+
+def test_node_workers_come_from_the_head_and_the_command_line(tmp_path, monkeypatch):
+    stack = _node(tmp_path, monkeypatch, worker_env={"AWS_SECRET_ACCESS_KEY": "from-cli"})
+    specs = stack._desired_specs("sid")
+    assert sorted(specs) == ["gpu7-gpu-0", "gpu7-gpu-1"] and CPU_WORKER not in specs   # no servers, no cpu worker
+    env = specs["gpu7-gpu-1"].env
+    assert env["PREFECT_API_URL"] == "http://10.0.0.1:4200/api"
+    assert env["MLFLOW_TRACKING_URI"] == "http://10.0.0.1:5000"        # the head published 0.0.0.0
+    assert env["EVALDAG_RESULTS_URL"] == "s3://bucket/evals"
+    assert env["AWS_SECRET_ACCESS_KEY"] == "from-cli"                  # the command line wins over the head
+    assert env["EVALDAG_DATA_DIR"] == "/data"                             # (the node's own EVALDAG_* would win)
+    assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "45"           # the period the head's automation expects
+    assert env["EVALDAG_HOME"] == str(tmp_path) and env["PREFECT_HOME"] == str(tmp_path / "prefect")
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert specs["gpu7-gpu-1"].argv[specs["gpu7-gpu-1"].argv.index("--pool") + 1] == "gpu"
+    assert stack._urls() == {"prefect": "http://10.0.0.1:4200", "mlflow": "http://10.0.0.1:5000"}
+
+
+def test_a_home_is_a_head_or_a_node_never_both(tmp_path, monkeypatch):
+    stack = _node(tmp_path, monkeypatch)
+    head_state = {"role": "head", "components": {"prefect-server": {}}, "urls": {"prefect": "http://x"}}
+    with pytest.raises(StackError, match="worker node needs a state folder of its own"):
+        stack._check_role(head_state)
+    node_state = {"role": "node", "components": {"gpu7-gpu-0": {}}, "urls": {"prefect": "http://10.0.0.1:4200"}}
+    with pytest.raises(StackError, match="holds a worker node of http://10.0.0.1:4200"):
+        Stack(StackSettings(home=tmp_path))._check_role(node_state)
+    stack._check_role(node_state)
+    stack._check_role({"components": {}})                                # an empty home can become either
+
+
+def test_head_listening_everywhere_uses_loopback_locally_and_publishes_its_address(tmp_path):
+    s = StackSettings(home=tmp_path, host="0.0.0.0", advertise_host="head.example", prefect_port=4200)
+    assert s.prefect_url == "http://127.0.0.1:4200" and s.public_host == "head.example"
+    specs = Stack(s)._desired_specs("sid")
+    assert specs["prefect-server"].env["PREFECT_UI_API_URL"] == "http://head.example:4200/api"
+    assert "head.example" in specs["mlflow-server"].env["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
+    assert specs["prefect-server"].argv[specs["prefect-server"].argv.index("--host") + 1] == "0.0.0.0"
+    assert specs[CPU_WORKER].env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+
+
+def test_database_settings(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="did you mean postgresql\\+asyncpg://u:p@db/prefect"):
+        StackSettings(database_url="postgresql://u:p@db/prefect")
+    with pytest.raises(ValueError, match="give one of them"):
+        StackSettings(postgres=True, database_url="postgresql+asyncpg://u:p@db/prefect")
+    url = "postgresql+asyncpg://u:p@db:5432/prefect"
+    specs = Stack(StackSettings(home=tmp_path, database_url=url))._desired_specs("sid")
+    assert specs["prefect-server"].env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] == url
+    assert "postgres" not in specs
+    monkeypatch.setenv("EVALDAG_POSTGRES", "1")
+    monkeypatch.setenv("EVALDAG_POSTGRES_PORT", "6543")
+    s = StackSettings.from_env(home=tmp_path)
+    assert s.postgres and s.postgres_port == 6543
+    assert not StackSettings.from_env(home=tmp_path, postgres=False).postgres     # `up --sqlite` wins
+
+
+def test_worker_cli_rejects_a_bad_env_pair_and_an_unreachable_head(tmp_path):
+    env = {"EVALDAG_HOME": str(tmp_path)}
+    result = CliRunner().invoke(app, ["worker", "--server", "http://127.0.0.1:9", "--env", "NOVALUE"], env=env)
+    assert result.exit_code != 0 and "is not KEY=VALUE" in result.output
+    result = CliRunner().invoke(app, ["worker", "--server", "http://127.0.0.1:9"], env=env)
+    assert result.exit_code == 1
+    assert "cannot reach the head's Prefect API at http://127.0.0.1:9/api" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_automation_file_for_other_servers_is_the_one_up_creates():
+    import yaml
+    from prefect.events.schemas.automations import AutomationCore
+
+    from evaldag import paths
+
+    text = (paths.REPO_ROOT / "deployments" / "crash-automation.yaml").read_text()
+    from_file = AutomationCore.model_validate(yaml.safe_load(text)).model_dump(mode="json")
+    assert cluster._canonical(from_file) == cluster._canonical(cluster.crash_automation(30).model_dump(mode="json"))
