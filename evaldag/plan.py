@@ -171,6 +171,9 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None) ->
     grade_key = compute_eval_key({
         "generation": generation_key, "grader": GRADER_VERSION, "gold_format": bench.gold_format,
         "strip_thinking": bench.strip_thinking,
+        # the normalised golds themselves: grading reads them from this plan's inputs, so a gold-normalisation fix
+        # regrades even where nobody bumped GRADER_VERSION
+        "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),
     })
     train_run = request.train_run or _default_train_run(request.checkpoint, model)
     eval_key = compute_eval_key({

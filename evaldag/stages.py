@@ -20,7 +20,8 @@ from evaldag import faults
 from evaldag import metrics as metricsmod
 from evaldag import store
 from evaldag.plan import EvalPlan
-from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, LOGPROB_SCHEMA, read_table, write_table
+from evaldag.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
+                            write_table)
 
 log = logging.getLogger("evaldag")
 
@@ -173,12 +174,28 @@ def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> UPath:
         return _grade(plan, shard, out, workers)
 
 
+def with_current_inputs(gens: pl.DataFrame, plan: EvalPlan, shard: int) -> pl.DataFrame:
+    """The generations with their input columns (gold, gold_raw, subject, level) taken from this plan's inputs.
+
+    Generations are shared by every evaluation with the same generation_key, and the input rows copied into them are
+    those of the evaluation that generated them: a gold-normalisation fix or a gold_format change since then would
+    be graded against the old gold. The plan's inputs.parquet is the current truth."""
+    inputs = plan.shard_inputs(shard)
+    missing = set(gens["sample_id"].unique()) - set(inputs["sample_id"])
+    if missing:
+        raise RuntimeError(f"shard {shard}: generations hold samples {sorted(missing)[:3]} that are not in the plan's "
+                           f"inputs {plan.path('inputs.parquet')}; delete {plan.generations_path(shard)} to regenerate")
+    own = [c for c in INPUT_SCHEMA if c not in ("sample_id", "prompt")]
+    return (gens.drop(own).join(inputs.select("sample_id", *own), on="sample_id", how="left", maintain_order="left")
+            .select(list(GENERATION_SCHEMA)))
+
+
 def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     from evaldag.grading import grade_table
     from evaldag.sampling_metrics import assign_answer_groups
 
     faults.maybe_fail("grade")
-    gens = read_table(plan.generations_path(shard), GENERATION_SCHEMA)
+    gens = with_current_inputs(read_table(plan.generations_path(shard), GENERATION_SCHEMA), plan, shard)
     t0 = time.perf_counter()
     graded = grade_table(gens, timeout_s=plan.benchmark.grading_timeout_s, workers=workers,
                          strip_thinking=plan.benchmark.strip_thinking)
