@@ -171,6 +171,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None) ->
     grade_key = compute_eval_key({
         "generation": generation_key, "grader": GRADER_VERSION, "gold_format": bench.gold_format,
         "strip_thinking": bench.strip_thinking,
+        "timeout_s": bench.grading_timeout_s,   # a longer limit can turn timeouts into grades
         # the normalised golds themselves: grading reads them from this plan's inputs, so a gold-normalisation fix
         # regrades even where nobody bumped GRADER_VERSION
         "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),

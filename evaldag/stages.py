@@ -56,6 +56,8 @@ def finished_shard(plan: EvalPlan, shard: int) -> UPath | None:
         outputs["score"] = plan.logprobs_path(shard)
     if not all(path.is_file() for path in outputs.values()):
         return None
+    if _timed_out(outputs["grade"]):     # not a result: the shard runs again to grade those rows (grade_shard)
+        return None
     for stage in outputs:
         _record_stage(plan, shard, stage, computed=False)
     return outputs["grade"]
@@ -168,10 +170,43 @@ def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> UPath:
     out = plan.graded_path(shard)
     with store.lock(out):
         if out.is_file():
+            if _timed_out(out):
+                return _regrade_timeouts(plan, shard, out, workers)
             log.info("shard %d: grades already in %s, reusing them", shard, out)
             _record_stage(plan, shard, "grade", computed=False)
             return out
         return _grade(plan, shard, out, workers)
+
+
+def _timed_out(graded: UPath) -> bool:
+    """Whether a graded file holds rows whose grading timed out."""
+    with graded.open("rb") as fh:
+        return bool((pl.read_parquet(fh, columns=["status"])["status"] == "timeout").any())
+
+
+def _regrade_timeouts(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
+    """Grade the timed-out rows of a graded file again (the machine may have been loaded, or the limit raised) and
+    rewrite the file; rows that time out again stay "timeout" until the next run."""
+    from evaldag.grading import grade_table
+    from evaldag.sampling_metrics import assign_answer_groups
+
+    graded = read_table(out, GRADED_SCHEMA).with_row_index("_row")
+    todo = graded.filter(pl.col("status") == "timeout")
+    log.info("shard %d: grading %d timed-out rows of %s again", shard, todo.height, out)
+    t0 = time.perf_counter()
+    redone = grade_table(todo.drop("_row"), timeout_s=plan.benchmark.grading_timeout_s, workers=workers,
+                         strip_thinking=plan.benchmark.strip_thinking).with_columns(todo["_row"])
+    merged = (pl.concat([graded.filter(pl.col("status") != "timeout"), redone.select(graded.columns)])
+              .sort("_row").drop("_row"))
+    merged = assign_answer_groups(merged)
+    stats_path = plan.stats_path("grade", shard)
+    stats = store.read_json(stats_path) if stats_path.is_file() else {}
+    stats["grading_s"] = stats.get("grading_s", 0.0) + time.perf_counter() - t0
+    stats["regraded_timeouts"] = stats.get("regraded_timeouts", 0) + todo.height
+    store.write_json(stats_path, stats)
+    write_table(merged, out, GRADED_SCHEMA)
+    _record_stage(plan, shard, "grade", computed=True)
+    return out
 
 
 def with_current_inputs(gens: pl.DataFrame, plan: EvalPlan, shard: int) -> pl.DataFrame:

@@ -140,3 +140,43 @@ def test_regrading_uses_the_current_gold_not_the_copy_in_the_generations(setup, 
     changed = after.filter(pl.col("gold_raw") == "204")
     assert changed.height == 1 and changed["gold"].to_list() == ["7"] and changed["status"].to_list() == ["correct"]
     assert after.filter(pl.col("gold_raw") != "204")["status"].to_list() == ["wrong", "wrong"]
+
+
+def test_grading_timeout_is_part_of_grade_key(setup):
+    ckpt, configs, results = setup
+    plan = _plan(ckpt, results)
+    cfg = configs / "benchmarks" / "aime24.yaml"
+    cfg.write_text(cfg.read_text().replace("grading_timeout_s: 10", "grading_timeout_s: 30"))
+    longer = _plan(ckpt, results)
+    assert longer.generation_key == plan.generation_key and longer.grade_key != plan.grade_key
+
+
+def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
+    """A grade that timed out on a loaded machine is not a result: the next run of the shard grades those rows
+    again (and only those), and a finished-looking shard with timeouts is not skipped."""
+    import polars as pl
+
+    from evaldag import grading
+    from evaldag.stages import finished_shard
+
+    ckpt, _, results = setup
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
+    plan = _plan(ckpt, results)
+    generate_shard(plan, 0)
+    real, calls = grading._grade_inline, []
+
+    def loaded_machine(completion, gold, finish_reason, timeout_s):
+        calls.append(gold)
+        return grading._timeout_grade(timeout_s) if len(calls) == 2 else real(completion, gold, finish_reason,
+                                                                              timeout_s)
+
+    monkeypatch.setattr(grading, "_grade_inline", loaded_machine)
+    first = pl.read_parquet(grade_shard(plan, 0, workers=0))
+    assert first["status"].to_list().count("timeout") == 1 and len(calls) == 3
+    assert finished_shard(plan, 0) is None, "a shard with timed-out grades must run again"
+    again = pl.read_parquet(grade_shard(plan, 0, workers=0))
+    assert len(calls) == 4                                   # only the timed-out row was graded again
+    assert again["status"].to_list() == ["wrong"] * 3
+    kept = [c for c in again.columns if c not in ("status", "pred", "grade_s", "answer_group")]
+    assert again.select(kept).equals(first.select(kept))
+    assert finished_shard(plan, 0) is not None
