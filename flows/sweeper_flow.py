@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 
 from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
 from evaldag.errors import ConfigError
-from evaldag.triggers import requested_benchmarks, train_run_of
+from evaldag.triggers import evaluated_key, requested_benchmarks, train_run_of
 from tasks.dispatch import start_evaluation
 from tasks.lookup import evaluated_checkpoints
 
@@ -32,7 +32,8 @@ def _roots(roots: list[str] | None) -> list[Path]:
 def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math500"],  # noqa: B006
                  eval_overrides: dict | None = None) -> dict:
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
-    has no finished MLflow run yet; failed earlier evaluations are started again."""
+    has no finished MLflow run with these settings (`eval_overrides`) yet; failed earlier evaluations are started
+    again."""
     marker = os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
@@ -41,7 +42,7 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     for bench in benches:
         have = evaluated_checkpoints(bench)
         for step, ckpt, root in found:
-            if (str(ckpt.resolve()), step) in have:
+            if evaluated_key(ckpt.resolve(), step, bench, eval_overrides) in have:   # with these settings
                 done += 1
                 continue
             started.append(start_evaluation(bench, str(ckpt.resolve()), step, train_run_of(ckpt, root),

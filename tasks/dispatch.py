@@ -13,10 +13,11 @@ from evaldag.triggers import evaluation_id
 @task(name="start-evaluation", retries=3, retry_delay_seconds=[2, 5, 10])
 def start_evaluation(benchmark: str, checkpoint: str, step: int, train_run: str,
                      overrides: dict | None = None, relaunch_failed: bool = False) -> dict:
-    """run_deployment("eval/<benchmark>") keyed by the evaluation's identity: a duplicate request returns the
-    existing flow run instead of starting a second one. With `relaunch_failed`, an existing run that failed or
+    """run_deployment("eval/<benchmark>") keyed by the evaluation's identity (evaldag.triggers.evaluation_id: the
+    checkpoint, step, benchmark and every override that changes the result): a duplicate request returns the
+    existing flow run instead of starting a second one, a full evaluation after a quick slice starts its own. With `relaunch_failed`, an existing run that failed or
     crashed is started again under a fresh key (Prefect would otherwise hand back the failed run forever)."""
-    key = evaluation_id(train_run, step, benchmark, checkpoint)
+    key = evaluation_id(train_run, step, benchmark, checkpoint, overrides)   # settings that change the result too
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
     name = f"eval/{benchmark}"
     fr = run_deployment(name, parameters=params, idempotency_key=key, timeout=0,
