@@ -107,7 +107,7 @@ class EvalPlan(BaseModel):
 
     def logprobs_path(self, shard: int) -> UPath:
         ref = self.resolved_reference
-        return self._stage(f"logprobs-{ref.fingerprint[:12]}", shard)
+        return self._stage(f"logprobs2-{ref.fingerprint[:12]}", shard)   # 2: with the exact KL column
 
     def stats_path(self, stage: str, shard: int) -> UPath:
         """Figures of one stage of one shard (wall time, tokens, memory), kept beside its output."""
@@ -158,6 +158,8 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None) ->
     shards = plan_shards(data.inputs, num_shards)
     pass_k = _pass_k(request.pass_k or bench.pass_k, sampling.n, explicit=bool(request.pass_k or bench.pass_k))
     reference = resolve_model(request.reference) if request.reference else None
+    if reference is not None:
+        _check_kl_is_defined(model, reference, sampling)
     generation_key = compute_eval_key({
         "pipeline": PIPELINE_VERSION,
         "instruction": bench.instruction,
@@ -192,6 +194,22 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None) ->
     write_table(data.inputs, plan.path("inputs.parquet"), INPUT_SCHEMA)
     store.write_text(plan.path("plan.json"), plan.model_dump_json(indent=2))
     return plan
+
+
+def _check_kl_is_defined(model: ResolvedModel, reference: ResolvedModel, sampling: SamplingConfig) -> None:
+    """Refuse a KL that would be logged under a name it does not deserve: without the exact per-position KL (both
+    models on an engine of EXACT_KL_ENGINES), only the sampling estimators are available, and they are KL estimates
+    only for completions drawn from the policy (temperature 1, top_p 1); see evaldag.kl."""
+    from evaldag.engines import EXACT_KL_ENGINES
+    from evaldag.kl import samples_the_policy
+
+    engines = {model.engine, reference.engine}
+    if not engines <= EXACT_KL_ENGINES and not samples_the_policy(sampling):
+        raise ConfigError(f"KL to a reference with engine {sorted(engines - EXACT_KL_ENGINES)} has only sampled-token "
+                          f"log-probabilities, which estimate KL only for completions sampled at temperature 1 and "
+                          f"top_p 1 (this run: temperature {sampling.temperature}, top_p {sampling.top_p}); run both "
+                          f"models on engine 'hf' for the exact per-position KL, or sample with temperature 1.0 and "
+                          f"top_p 1.0")
 
 
 def _pass_k(ks: list[int] | None, n: int, explicit: bool) -> list[int]:

@@ -8,6 +8,7 @@ output reuses it instead of computing it again (and records that, for the cache 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
@@ -140,24 +141,43 @@ def score_shard(plan: EvalPlan, shard: int) -> UPath:
 
 
 def _score(plan: EvalPlan, shard: int, out: UPath) -> UPath:
-    from evaldag.engines import load_engine
+    """Log-probabilities under both models, and where both run on an engine that can (EXACT_KL_ENGINES), the exact
+    per-position KL over the vocabulary (both models loaded together); otherwise one model at a time, and kl_exact
+    stays null."""
+    from evaldag.engines import EXACT_KL_ENGINES, load_engine
     from evaldag.errors import ConfigError
 
     gens = read_table(plan.generations_path(shard), GENERATION_SCHEMA)
     prompts, ids = gens["prompt"].to_list(), gens["completion_ids"].to_list()
     t0 = time.perf_counter()
-    scores, vocab = [], []
-    for m in (plan.resolved_model, plan.resolved_reference):
-        engine = load_engine(m.engine, m.path, m.dtype, m.batch_size, m.engine_args)
-        vocab.append(engine.vocabulary_fingerprint())
+    models = (plan.resolved_model, plan.resolved_reference)
+
+    def load(m):
+        return contextlib.closing(load_engine(m.engine, m.path, m.dtype, m.batch_size, m.engine_args))
+
+    def check_vocabulary(vocab: list[int]) -> None:
         if len(vocab) == 2 and vocab[0] != vocab[1]:
-            raise ConfigError(f"reference model {m.path} has a different tokenizer than the evaluated model; "
+            raise ConfigError(f"reference model {models[1].path} has a different tokenizer than the evaluated model; "
                               "KL needs both to score the same token ids")
-        scores.append(engine.score(prompts, ids))
-        engine.close()
+
+    kl = None
+    if all(m.engine in EXACT_KL_ENGINES for m in models):
+        with load(models[0]) as policy, load(models[1]) as reference:
+            check_vocabulary([policy.vocabulary_fingerprint(), reference.vocabulary_fingerprint()])
+            logp, ref_logp, kl = policy.score_with_reference(prompts, ids, reference)
+    else:           # one model at a time, sampled tokens' log-probabilities only (kl_exact stays null)
+        scores, vocab = [], []
+        for m in models:
+            with load(m) as engine:
+                vocab.append(engine.vocabulary_fingerprint())
+                check_vocabulary(vocab)
+                scores.append(engine.score(prompts, ids))
+        logp, ref_logp = scores
     df = gens.select("sample_id", "sample_index").with_columns(
-        pl.Series("logp", scores[0], dtype=pl.List(pl.Float64)),
-        pl.Series("ref_logp", scores[1], dtype=pl.List(pl.Float64)))
+        pl.Series("logp", logp, dtype=pl.List(pl.Float64)),
+        pl.Series("ref_logp", ref_logp, dtype=pl.List(pl.Float64)),
+        pl.Series("kl_exact", kl, dtype=pl.List(pl.Float64)) if kl is not None
+        else pl.lit(None, dtype=pl.List(pl.Float64)).alias("kl_exact"))
     write_table(df, out, LOGPROB_SCHEMA)
     store.write_json(plan.stats_path("score", shard), {"scoring_s": time.perf_counter() - t0,
                                                    "peak_rss_mb": _peak_rss_mb()})
@@ -293,7 +313,7 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike]) -> dict:
         from evaldag.kl import kl_metrics
 
         logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
-        result.update(kl_metrics(logprobs))
+        result.update(kl_metrics(logprobs, sampling=plan.sampling))
     diagnostic = shard_disagreement(graded, num_shards=plan.num_shards) if plan.num_shards > 1 else None
     if diagnostic is not None:
         result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))

