@@ -27,7 +27,7 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/2"   # 2: static KV cache in the hf engine
+PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache in the hf engine; 3: exact sampling distribution (hf)
 
 
 class EvalRequest(BaseModel):

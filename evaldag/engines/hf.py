@@ -75,6 +75,13 @@ class HFEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
+        # Sample what the evaluation's SamplingConfig says, nothing else: transformers fills every setting a
+        # generate() call leaves unset from the checkpoint's generation_config.json (its top_k, repetition
+        # penalty, n-gram bans, minimum length, ...). Only the stop and padding tokens are kept from it.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig(bos_token_id=gen_cfg.bos_token_id,
+                                                        eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
 
     def _format(self, prompt: str) -> str:
         return chat_text(self.tokenizer, prompt)
@@ -103,7 +110,8 @@ class HFEngine:
                       pad_token_id=self.pad_id, num_return_sequences=sampling.n,
                       cache_implementation=self.cache_implementation)
         if sampling.temperature > 0:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+            # top_k=0: no top-k cut (left unset, transformers would apply its default of 50)
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         torch.manual_seed(seed)

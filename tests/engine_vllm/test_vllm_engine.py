@@ -165,3 +165,18 @@ def test_stages_with_vllm_leave_no_process(engine, tmp_path):
     assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
     graded = read_table(grade_shard(plan, 0, workers=1), GRADED_SCHEMA)
     assert graded.height == 4
+
+
+def test_sampling_params_are_exactly_the_configured_distribution():
+    """Temperature and top_p as configured; no top-k, min-p, penalty or minimum length from anywhere else (checked
+    without starting vLLM: only the request parameters)."""
+    from evaldag.engines.vllm import VLLMEngine
+
+    eng = VLLMEngine.__new__(VLLMEngine)
+    eng.eos_ids = {2}
+    for cfg in (SamplingConfig(n=4, temperature=0.7, top_p=0.9, seed=1), SamplingConfig()):
+        p = eng._sampling_params(cfg, seed=5)
+        assert (p.temperature, p.top_p) == (cfg.temperature, cfg.top_p)
+        assert (p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens) == \
+            (0, 0.0, 1.0, 0.0, 0.0, 0)
+        assert p.n == cfg.n and p.max_tokens == cfg.max_new_tokens and p.stop_token_ids == [2]
