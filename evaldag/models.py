@@ -19,12 +19,9 @@ from evaldag import config as cfgmod
 from evaldag import paths
 from evaldag.engines import default_engine
 from evaldag.errors import CheckpointError
+from evaldag.fingerprint import WEIGHT_FILES, WEIGHT_INDEXES
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-_FULL_HASH_LIMIT = 16 << 20   # files up to 16 MiB are hashed whole; larger ones by size + head + tail
-_EDGE = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,7 @@ class ResolvedModel:
 
     name: str            # alias, or the folder's name for a plain checkpoint
     path: str            # absolute folder of a Hugging Face-format checkpoint
-    fingerprint: str     # sha256 over file names, sizes and contents (see fingerprint())
+    fingerprint: str     # identity of the weights and generation files (see evaldag.fingerprint)
     dtype: str
     engine: str
     batch_size: int
@@ -79,23 +76,10 @@ def validate_checkpoint(folder: Path) -> None:
 
 
 def fingerprint(folder: Path) -> str:
-    """Content fingerprint of a checkpoint folder.
+    """Content fingerprint of a checkpoint folder: its weights and what shapes generation (evaldag.fingerprint)."""
+    from evaldag.fingerprint import fingerprint as _fingerprint
 
-    Small files are hashed whole; weight files by size plus their first and last 4 MiB, which changes whenever
-    training changes the weights while keeping the cost flat for 100 GB checkpoints.
-    """
-    h = hashlib.sha256()
-    for f in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
-        size = f.stat().st_size
-        h.update(f"{f.relative_to(folder)}\0{size}\0".encode())
-        with f.open("rb") as fh:
-            if size <= _FULL_HASH_LIMIT:
-                h.update(fh.read())
-            else:
-                h.update(fh.read(_EDGE))
-                fh.seek(size - _EDGE)
-                h.update(fh.read(_EDGE))
-    return h.hexdigest()
+    return _fingerprint(folder)
 
 
 def _sha256_file(path: Path) -> str:

@@ -28,7 +28,7 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/2"   # 2: static KV cache in the hf engine
+PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache in the hf engine; 3: exact sampling distribution (hf)
 
 
 class EvalRequest(BaseModel):
@@ -109,7 +109,7 @@ class EvalPlan(BaseModel):
 
     def logprobs_path(self, shard: int) -> UPath:
         ref = self.resolved_reference
-        return self._stage(f"logprobs-{ref.fingerprint[:12]}", shard)
+        return self._stage(f"logprobs2-{ref.fingerprint[:12]}", shard)   # 2: with the exact KL column
 
     def stats_path(self, stage: str, shard: int) -> UPath:
         """Figures of one stage of one shard (wall time, tokens, memory), kept beside its output."""
@@ -199,6 +199,10 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     grade_key = compute_eval_key({
         "generation": generation_key, "grader": GRADER_VERSION, "gold_format": bench.gold_format,
         "strip_thinking": bench.strip_thinking,
+        "timeout_s": bench.grading_timeout_s,   # a longer limit can turn timeouts into grades
+        # the normalised golds themselves: grading reads them from this plan's inputs, so a gold-normalisation fix
+        # regrades even where nobody bumped GRADER_VERSION
+        "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),
     })
     train_run = request.train_run or _default_train_run(request.checkpoint, model)
     eval_key = compute_eval_key({

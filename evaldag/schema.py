@@ -59,6 +59,8 @@ LOGPROB_SCHEMA: dict[str, pl.DataType] = {
     "sample_index": pl.Int64,
     "logp": pl.List(pl.Float64),
     "ref_logp": pl.List(pl.Float64),
+    # exact KL(policy || reference) over the vocabulary at each position; null where the engines cannot give it
+    "kl_exact": pl.List(pl.Float64),
 }
 
 

@@ -23,6 +23,7 @@ from mlflow.entities import Metric, Param
 from evaldag import faults, store
 from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
+from evaldag.triggers import request_settings_key
 
 EXPERIMENT_PREFIX = "evaldag"
 # One run per training job, holding every benchmark's headline metrics at step = checkpoint step: its chart view
@@ -101,15 +102,19 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
     return mine.info.run_id
 
 
-def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int]]:
-    """(checkpoint folder, step) of every finished evaluation of `benchmark` (what the sweeper need not redo)."""
+def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
+    """(checkpoint folder, step, settings key) of every finished evaluation of `benchmark`: what the sweeper need
+    not redo (evaldag.triggers.evaluated_key builds the same triple from its settings). A run logged before
+    settings keys existed has an empty one, so the sweeper evaluates its checkpoint again (from the result store's
+    cache when the stages are there)."""
     client = _client()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
     if exp is None:
         return set()
     runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
                               max_results=50000)
-    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0"))) for r in runs}
+    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")),
+             r.data.tags.get("evaldag.settings_key", "")) for r in runs}
 
 
 def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
@@ -188,6 +193,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
         "dataset_hash": plan.dataset_hash,
         "prefect.flow_run_id": flow_run_id or "",
         "kind": "ckpt_eval",
+        "evaldag.settings_key": request_settings_key(plan.request),   # the sweeper's "evaluated with these settings"
     }
     if existing is not None:           # an earlier attempt died while logging: finish that run instead
         run_id = existing.info.run_id

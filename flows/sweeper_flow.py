@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 
 from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
 from evaldag.errors import ConfigError
-from evaldag.triggers import requested_benchmarks, train_run_of
+from evaldag.triggers import evaluated_key, requested_benchmarks, train_run_of
 from tasks.dispatch import start_evaluation
 from tasks.lookup import evaluated_checkpoints
 
@@ -32,7 +32,8 @@ def _roots(roots: list[str] | None) -> list[Path]:
 def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math500"],  # noqa: B006
                  eval_overrides: dict | None = None) -> dict:
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
-    has no finished MLflow run yet; failed earlier evaluations are started again."""
+    has no finished MLflow run with these settings (`eval_overrides`) yet; failed earlier evaluations are started
+    again."""
     marker = os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
@@ -40,7 +41,8 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     have = {bench: evaluated_checkpoints(bench) for bench in benches}
     started, done = [], 0
     for step, ckpt, root in found:
-        missing = [bench for bench in benches if (str(ckpt.resolve()), step) not in have[bench]]
+        missing = [bench for bench in benches   # not yet evaluated with these settings
+                   if evaluated_key(ckpt.resolve(), step, bench, eval_overrides) not in have[bench]]
         done += len(benches) - len(missing)
         if missing:   # one evaluation for the checkpoint's missing benchmarks: one engine load per slot
             started.append(start_evaluation(missing, str(ckpt.resolve()), step, train_run_of(ckpt, root),

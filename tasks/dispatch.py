@@ -15,12 +15,14 @@ SUITE_DEPLOYMENT = "eval/suite"
 @task(name="start-evaluation", retries=3, retry_delay_seconds=[2, 5, 10])
 def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, train_run: str,
                      overrides: dict | None = None, relaunch_failed: bool = False) -> dict:
-    """run_deployment keyed by the evaluation's identity: a duplicate request returns the existing flow run instead
-    of starting a second one. One benchmark runs as eval/<benchmark>; several as one eval/suite run, so every gpu
-    slot loads the checkpoint once for all of them. With `relaunch_failed`, an existing run that failed or crashed
-    is started again under a fresh key (Prefect would otherwise hand back the failed run forever)."""
+    """run_deployment keyed by the evaluation's identity (evaldag.triggers.evaluation_id: the checkpoint, step,
+    benchmarks and every override that changes the result): a duplicate request returns the existing flow run
+    instead of starting a second one, a full evaluation after a quick slice starts its own. One benchmark runs as
+    eval/<benchmark>; several as one eval/suite run, so every gpu slot loads the checkpoint once for all of them.
+    With `relaunch_failed`, an existing run that failed or crashed is started again under a fresh key (Prefect would
+    otherwise hand back the failed run forever)."""
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
-    key = evaluation_id(train_run, step, "+".join(names), checkpoint)
+    key = evaluation_id(train_run, step, names, checkpoint, overrides)
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
     if len(names) == 1:
         deployment = f"eval/{names[0]}"

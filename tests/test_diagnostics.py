@@ -33,7 +33,9 @@ def test_shards_quiet_on_equal_accuracy_and_fire_on_30_points():
     quiet = shard_disagreement(_shards([0.5] * 4, seed=0))
     assert not quiet.fired and quiet.details["p_value"] >= 0.01
     fired = shard_disagreement(_shards([0.5, 0.5, 0.8, 0.5], seed=0))
-    assert fired.fired and fired.details["p_value"] < 1e-6
+    # no reassignment of problems comes close: the smallest p-value the permutations can give
+    assert fired.fired and fired.details["p_value"] == pytest.approx(1 / (1 + fired.details["permutations"]))
+    assert fired.details["p_value_iid"] < 1e-6
     assert "shard 2" in fired.explanation
 
 
@@ -52,6 +54,48 @@ def test_problem_difficulty_is_not_disagreement():
     rate = np.mean([d.fired for d in runs])
     assert min(d.details["design_effect"] for d in runs) > 2
     assert iid_rate > 0.3 and rate <= 0.15
+
+
+def _healthy(shards: int, per_shard: int, n: int, seed: int) -> pl.DataFrame:
+    """A healthy evaluation: problem difficulties from Uniform(0, 1), dealt round-robin to shards; no shard effect."""
+    rng = np.random.default_rng(seed)
+    problems = shards * per_shard
+    correct = rng.random((problems, n)) < rng.uniform(0, 1, problems)[:, None]
+    return pl.DataFrame({"sample_id": np.repeat([f"p{i:03d}" for i in range(problems)], n),
+                         "sample_index": np.tile(np.arange(n), problems),
+                         "shard_index": np.repeat(np.arange(problems) % shards, n), "correct": correct.ravel()})
+
+
+@pytest.mark.parametrize("shards, per_shard", [(2, 5), (4, 5), (4, 15)])
+def test_shard_false_alarm_rate_is_alpha_with_few_problems_per_shard(shards, per_shard):
+    """Healthy runs with a handful of problems per shard and n=8 samples each: the diagnostic fires at about alpha,
+    no more (problem difficulty is not a shard effect) and no less (a check that never fires checks nothing)."""
+    alpha, runs = 0.05, 300
+    rate = np.mean([shard_disagreement(_healthy(shards, per_shard, 8, seed), alpha=alpha).fired
+                    for seed in range(runs)])
+    # binomial(300, 0.05): P(rate < 0.015) < 0.002, P(rate > 0.09) < 0.003
+    assert 0.015 <= rate <= 0.09, f"false-alarm rate {rate:.3f} at alpha {alpha}"
+
+
+def test_one_problem_per_shard_is_not_tested():
+    """One problem per shard: a shard's accuracy is its problem's, so a shard effect cannot be told from problem
+    difficulty. The diagnostic says so and never fires (the old test fired on 44% of healthy 4 x 1 runs at 0.01)."""
+    runs = [shard_disagreement(_healthy(4, 1, 8, seed), alpha=0.01) for seed in range(200)]
+    assert not any(d.fired for d in runs)
+    assert "one problem" in runs[0].explanation and runs[0].details["p_value"] == 1.0
+
+
+def test_shard_disagreement_still_finds_a_broken_shard_with_few_problems():
+    """Power where a real shard effect exists: 4 shards x 15 problems, one shard 40 points worse on the same
+    difficulty mix."""
+    fired = []
+    for seed in range(50):
+        df = _healthy(4, 15, 8, seed)
+        broken = df.with_columns(correct=pl.when(pl.col("shard_index") == 2)
+                                 .then(pl.col("correct") & (pl.lit(np.random.default_rng(seed).random(df.height)) > 0.7))
+                                 .otherwise(pl.col("correct")))
+        fired.append(shard_disagreement(broken, alpha=0.01).fired)
+    assert np.mean(fired) >= 0.8
 
 
 def test_shard_degenerate_cases():

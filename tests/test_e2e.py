@@ -212,6 +212,7 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack):
         assert f"maj_at_{k}" in m and m[f"pass_at_{k}_ci_low"] <= m[f"pass_at_{k}"] <= m[f"pass_at_{k}_ci_high"]
     assert m["kl/k1/token_mean"] == pytest.approx(0.0, abs=1e-9)
     assert m["kl/k3/token_mean"] == pytest.approx(0.0, abs=1e-9)
+    assert m["kl/exact/token_mean"] == pytest.approx(0.0, abs=1e-9)          # hf engine: exact KL too
     samples = load_samples(run.info.run_id)
     assert sorted(samples["sample_index"].unique()) == [0, 1, 2, 3]
     assert len(set(samples.filter(pl.col("sample_id") == samples["sample_id"][0])["completion"])) > 1

@@ -61,3 +61,108 @@ def test_unknown_engine_arg_is_named():
         load_engine("hf", "/x", "bfloat16", 1, {"tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match="engine_args must be a mapping"):
         load_engine("hf", "/x", "bfloat16", 1, ["tensor_parallel_size"])
+
+
+@pytest.fixture(scope="module")
+def perturbed_reference(tmp_path_factory):
+    """The default model with its final norm scaled by 1.3: same tokenizer, sharper next-token distributions."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model("smollm2-135m-instruct").path
+    out = tmp_path_factory.mktemp("perturbed")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.3)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(f"{src}/{name}", out / name)
+    return out
+
+
+def test_exact_kl_along_the_generated_path(perturbed_reference):
+    """score_with_reference gives, per generated position, the exact KL over the whole vocabulary between the two
+    models' next-token distributions: checked against a direct computation from both models' full logits, one
+    sequence at a time (float32, so that batching and padding change nothing beyond rounding)."""
+    import torch
+
+    engine = load_engine("hf", resolve_model("smollm2-135m-instruct").path, "float32", batch_size=2)
+    perturbed_reference = load_engine("hf", str(perturbed_reference), "float32", batch_size=2)
+    comps = engine.generate(PROMPTS[:2], SamplingConfig(max_new_tokens=8))       # greedy
+    ids = [c[0].token_ids for c in comps]
+    logp, ref_logp, kl = engine.score_with_reference(PROMPTS[:2], ids, perturbed_reference)
+    assert [len(x) for x in kl] == [len(i) for i in ids] == [len(x) for x in logp] == [len(x) for x in ref_logp]
+    assert logp == engine.score(PROMPTS[:2], ids) and ref_logp == perturbed_reference.score(PROMPTS[:2], ids)
+    for k, (prompt, c) in enumerate(zip(PROMPTS[:2], ids)):
+        text = engine._format(prompt)
+        p_ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+        full = torch.tensor([p_ids + c])
+        with torch.inference_mode():
+            lp = torch.log_softmax(engine.model(input_ids=full).logits[0, len(p_ids) - 1:-1].float(), -1)
+            lq = torch.log_softmax(perturbed_reference.model(input_ids=full).logits[0, len(p_ids) - 1:-1].float(), -1)
+        expected = (lp.exp() * (lp - lq)).sum(-1)
+        assert kl[k] == pytest.approx(expected.tolist(), rel=1e-3, abs=1e-6)
+    flat = [v for x in kl for v in x]
+    assert min(flat) >= 0.0 and max(flat) > 1e-3                       # a different model: KL > 0
+    _, _, self_kl = engine.score_with_reference(PROMPTS[:2], ids, engine)
+    assert all(v == 0.0 for x in self_kl for v in x)                    # a model against itself: exactly 0
+    engine.close()
+    perturbed_reference.close()
+
+
+@pytest.fixture(scope="module")
+def opinionated_checkpoint(tmp_path_factory):
+    """The default model whose generation_config.json asks for its own sampling: top-k 1, a repetition penalty, no
+    repeated bigrams, a minimum length, its own temperature and top-p (real checkpoints ship such files)."""
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    src = Path(resolve_model("smollm2-135m-instruct").path)
+    out = tmp_path_factory.mktemp("opinionated")
+    for f in src.iterdir():
+        if f.name != "generation_config.json":
+            try:
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "generation_config.json").read_text())
+    cfg.update(do_sample=True, top_k=1, repetition_penalty=5.0, no_repeat_ngram_size=2, min_new_tokens=6,
+               temperature=0.1, top_p=0.5)
+    (out / "generation_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_greedy_ignores_the_checkpoints_sampling_settings(engine, opinionated_checkpoint):
+    """Greedy means the argmax of the model's own logits: a checkpoint's repetition penalty or n-gram ban must not
+    change it."""
+    other = load_engine("hf", str(opinionated_checkpoint), "bfloat16", batch_size=2)
+    try:
+        cfg = SamplingConfig(max_new_tokens=24)
+        assert [c[0].text for c in other.generate(PROMPTS, cfg)] == [c[0].text for c in engine.generate(PROMPTS, cfg)]
+    finally:
+        other.close()
+
+
+def test_sampling_draws_from_exactly_the_configured_distribution(opinionated_checkpoint, monkeypatch):
+    """At every step the sampler draws from softmax(logits / temperature) of the model's raw logits (top_p 1): no
+    top-k (neither the checkpoint's 1 nor transformers' default 50), no penalty, no minimum length."""
+    import torch
+
+    eng = load_engine("hf", str(opinionated_checkpoint), "float32", batch_size=2)
+    logits, drawn = [], []
+    hook = eng.model.register_forward_hook(lambda mod, args, out: logits.append(out.logits[:, -1].float().clone()))
+    real = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, *a, **k: drawn.append(probs.clone()) or real(probs, *a, **k))
+    try:
+        eng.generate(PROMPTS[:1], SamplingConfig(n=2, temperature=0.7, max_new_tokens=6, seed=3))
+    finally:
+        hook.remove()
+        eng.close()
+    assert len(drawn) == len(logits) >= 2
+    for raw, probs in zip(logits, drawn):
+        assert torch.allclose(probs, torch.softmax(raw / 0.7, dim=-1), atol=1e-6)
+        assert int((probs > 0).sum(dim=-1).min()) > 1000                 # the whole vocabulary, not a top-k

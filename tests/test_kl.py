@@ -65,3 +65,51 @@ def test_no_tokens_is_an_error():
     assert per_sample_kl(df)["n_tokens"].to_list() == [0]
     with pytest.raises(ValueError, match="no tokens"):
         kl_metrics(df)
+
+
+# ---- what the logged KL means under the evaluation's decoding ----------------------------------------------------
+
+def _greedy_two_token_case(tokens: int = 50) -> tuple[pl.DataFrame, float]:
+    """pi = (.6, .4), ref = (.4, .6) at every position; greedy decoding always takes token 0."""
+    pi, ref = np.array([0.6, 0.4]), np.array([0.4, 0.6])
+    exact = float(np.sum(pi * np.log(pi / ref)))
+    df = pl.DataFrame({"logp": [[math.log(0.6)] * tokens], "ref_logp": [[math.log(0.4)] * tokens],
+                       "kl_exact": [[exact] * tokens]})
+    return df, exact
+
+
+def test_greedy_decoding_reports_the_exact_kl_not_the_sampling_estimators():
+    from evaldag.config import SamplingConfig
+
+    df, exact = _greedy_two_token_case()
+    m = kl_metrics(df, sampling=SamplingConfig())                      # greedy: every benchmark's default
+    assert exact == pytest.approx(0.0811, abs=1e-4)
+    assert m["kl/exact/token_mean"] == pytest.approx(exact)
+    assert m["kl/exact/sample_sum_mean"] == pytest.approx(50 * exact)
+    # k1 would say 0.405 here: the estimators assume tokens drawn from the policy at temperature 1, so they are
+    # not reported for greedy, tempered or nucleus decoding
+    assert not any(k.startswith(("kl/k1", "kl/k2", "kl/k3")) for k in m)
+    for sampling in (SamplingConfig(n=4, temperature=0.6), SamplingConfig(n=4, temperature=1.0, top_p=0.9)):
+        assert not any(k.startswith("kl/k") for k in kl_metrics(df, sampling=sampling))
+
+
+def test_sampling_at_temperature_one_reports_both_and_they_agree():
+    from evaldag.config import SamplingConfig
+
+    p, q = np.array([0.6, 0.3, 0.1]), np.array([0.3, 0.4, 0.3])
+    exact = float(np.sum(p * np.log(p / q)))
+    tokens = np.random.default_rng(0).choice(3, size=(2000, 50), p=p)
+    df = pl.DataFrame({"logp": np.log(p)[tokens].tolist(), "ref_logp": np.log(q)[tokens].tolist(),
+                       "kl_exact": np.full(tokens.shape, exact).tolist()})
+    m = kl_metrics(df, sampling=SamplingConfig(n=4, temperature=1.0))
+    assert m["kl/exact/token_mean"] == pytest.approx(exact)
+    assert m["kl/k3/token_mean"] == pytest.approx(exact, abs=0.01)
+
+
+def test_without_exact_kl_non_policy_sampling_is_refused():
+    from evaldag.config import SamplingConfig
+
+    df, _ = _greedy_two_token_case()
+    with pytest.raises(ValueError, match="temperature 1"):
+        kl_metrics(df.drop("kl_exact"), sampling=SamplingConfig())
+    assert "kl/k1/token_mean" in kl_metrics(df.drop("kl_exact"), sampling=SamplingConfig(n=2, temperature=1.0))

@@ -86,3 +86,145 @@ def test_vllm_is_the_default_engine(monkeypatch):
     monkeypatch.setenv(DEFAULT_ENGINE_ENV, "tgi")
     with pytest.raises(ConfigError, match="EVALDAG_DEFAULT_ENGINE='tgi' is not an engine"):
         default_engine()
+
+
+# ---- resolve(): what each real input changes among generation_key, grade_key and eval_key -------------------------
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from conftest import complete_checkpoint  # noqa: E402
+from evaldag import paths  # noqa: E402
+from evaldag import plan as planmod  # noqa: E402
+
+GEN, GRADE, EVAL = "generation_key", "grade_key", "eval_key"
+ALL, GRADING, EVAL_ONLY, NOTHING = {GEN, GRADE, EVAL}, {GRADE, EVAL}, {EVAL}, set()
+
+
+class KeyWorld:
+    """A benchmark (aime24, its mirror copied), a checkpoint behind a model alias and a reference, all in tmp_path,
+    each editable; `keys(**request)` resolves and returns the three keys."""
+
+    def __init__(self, tmp: Path, monkeypatch):
+        self.tmp, self.monkeypatch = tmp, monkeypatch
+        self.configs = tmp / "configs"
+        shutil.copytree(paths.REPO_ROOT / "configs", self.configs)
+        self.data = tmp / "data"
+        shutil.copytree(Path(paths.data_dir()) / "aime24", self.data / "aime24")
+        monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(self.configs))
+        monkeypatch.setenv("EVALDAG_DATA_DIR", str(self.data))
+        self.ckpt = complete_checkpoint(tmp / "ckpts" / "checkpoint-100")
+        self.reference = complete_checkpoint(tmp / "ref")
+        (self.reference / "model.safetensors").write_bytes(b"r" * 64)
+        self.alias = {"name": "tiny", "source": "path", "path": str(self.ckpt)}
+        self.write_alias()
+        self.request = {"benchmark": "aime24", "checkpoint": "tiny", "step": 100, "limit": 3, "num_shards": 1,
+                        "train_run": "job", "sampling": {"n": 2, "temperature": 0.5}, "pass_k": [1, 2]}
+        self.results = tmp / "results"
+
+    def write_alias(self, **changes):
+        self.alias.update(changes)
+        (self.configs / "models" / "tiny.yaml").write_text(yaml.safe_dump(self.alias))
+
+    def bench(self, edit):
+        path = self.configs / "benchmarks" / "aime24.yaml"
+        cfg = yaml.safe_load(path.read_text())
+        edit(cfg)
+        path.write_text(yaml.safe_dump(cfg))
+
+    def mirror_row(self, i, edit):
+        path = self.data / "aime24" / "test.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        edit(rows[i])
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def keys(self, **changes) -> dict[str, str]:
+        plan = resolve(EvalRequest(**{**self.request, **changes}), self.results)
+        return {GEN: plan.generation_key, GRADE: plan.grade_key, EVAL: plan.eval_key}
+
+
+def _sampling(w, **field):
+    return {"sampling": {**w.request["sampling"], **field}}
+
+
+def _set_gold(w):
+    from evaldag import datasets, grading
+
+    real = grading.normalize_gold
+    w.monkeypatch.setattr(datasets, "normalize_gold", lambda raw, fmt: "0" if raw == "204" else real(raw, fmt))
+
+
+def _copy_elsewhere(w):
+    other = w.tmp / "elsewhere" / "renamed"
+    shutil.copytree(w.ckpt, other)
+    w.write_alias(path=str(other))
+
+
+# (what changes, how: a function of the world that edits files/settings and returns request changes, which keys move)
+CASES = [
+    ("weights", lambda w: (w.ckpt / "model.safetensors").write_bytes(b"x" * 64), ALL),
+    ("model config", lambda w: (w.ckpt / "config.json").write_text('{"model_type": "llama", "x": 1}'), ALL),
+    ("generation config", lambda w: (w.ckpt / "generation_config.json").write_text('{"top_k": 5}'), ALL),
+    ("tokenizer", lambda w: (w.ckpt / "tokenizer.json").write_text('{"v": 2}'), ALL),
+    ("chat template", lambda w: (w.ckpt / "chat_template.jinja").write_text("{{ messages }}"), ALL),
+    ("dataset content (a row outside the slice)", lambda w: w.mirror_row(10, lambda r: r.update(answer="1")), ALL),
+    ("selected ids", lambda w: {"limit": 4}, ALL),
+    ("instruction", lambda w: w.bench(lambda c: c.update(instruction="Solve: {problem}")), ALL),
+    ("sampling.n", lambda w: _sampling(w, n=3), ALL),
+    ("sampling.temperature", lambda w: _sampling(w, temperature=0.6), ALL),
+    ("sampling.top_p", lambda w: _sampling(w, top_p=0.9), ALL),
+    ("sampling.max_new_tokens", lambda w: _sampling(w, max_new_tokens=100), ALL),
+    ("sampling.seed", lambda w: _sampling(w, seed=1), ALL),
+    ("engine", lambda w: {"engine": "vllm"}, ALL),
+    ("engine_args", lambda w: w.write_alias(engine_args={"cache_implementation": "dynamic"}), ALL),
+    ("batch size", lambda w: w.write_alias(batch_size=8), ALL),
+    ("dtype", lambda w: w.write_alias(dtype="float32"), ALL),
+    ("shards", lambda w: {"num_shards": 2}, ALL),
+    ("pipeline version", lambda w: w.monkeypatch.setattr(planmod, "PIPELINE_VERSION", "next"), ALL),
+    ("grader version", lambda w: w.monkeypatch.setattr(planmod, "GRADER_VERSION", "next"), GRADING),
+    ("gold format", lambda w: w.bench(lambda c: c.update(gold_format="number")), GRADING),
+    ("normalised gold", _set_gold, GRADING),
+    ("grading timeout", lambda w: w.bench(lambda c: c.update(grading_timeout_s=30)), GRADING),
+    ("strip_thinking", lambda w: w.bench(lambda c: c.update(strip_thinking=True)), GRADING),
+    ("rewards", lambda w: w.bench(lambda c: c.update(rewards=[{"name": "correctness"}, {"name": "format"}])),
+     EVAL_ONLY),
+    ("pass_k", lambda w: {"pass_k": [2]}, EVAL_ONLY),
+    ("reference", lambda w: {"reference": str(w.reference)}, EVAL_ONLY),
+    ("step", lambda w: {"step": 200}, EVAL_ONLY),
+    ("train_run", lambda w: {"train_run": "other-job"}, EVAL_ONLY),
+    ("optimizer state", lambda w: (w.ckpt / "optimizer.pt").write_bytes(b"adam" * 100), NOTHING),
+    ("trainer state", lambda w: (w.ckpt / "trainer_state.json").write_text('{"global_step": 100}'), NOTHING),
+    ("checkpoint README", lambda w: (w.ckpt / "README.md").write_text("notes"), NOTHING),
+    ("same checkpoint, other folder", _copy_elsewhere, NOTHING),
+    ("unmapped dataset column", lambda w: w.mirror_row(0, lambda r: r.update(url="https://x")), NOTHING),
+    ("benchmark description", lambda w: w.bench(lambda c: c.update(description="new words")), NOTHING),
+    ("parent MLflow run", lambda w: {"mlflow_parent_run_id": "abc123"}, NOTHING),
+    ("result store", lambda w: setattr(w, "results", w.tmp / "other-results"), NOTHING),
+]
+
+
+@pytest.mark.parametrize("change, expected", [(c[1], c[2]) for c in CASES], ids=[c[0] for c in CASES])
+def test_what_each_input_changes(tmp_path, monkeypatch, change, expected):
+    world = KeyWorld(tmp_path, monkeypatch)
+    before = world.keys()
+    assert world.keys() == before                                  # deterministic
+    made = change(world)
+    after = world.keys(**(made if isinstance(made, dict) else {}))
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == expected, f"changed {sorted(changed)}, expected {sorted(expected)}"
+
+
+def test_kl_without_the_exact_computation_needs_policy_sampling(tmp_path, monkeypatch):
+    """vLLM gives only the sampled tokens' log-probabilities: the KL estimators built from them are refused for
+    greedy or tempered decoding (they would not be KL), accepted at temperature 1 / top_p 1."""
+    from evaldag.errors import ConfigError
+
+    world = KeyWorld(tmp_path, monkeypatch)
+    with pytest.raises(ConfigError, match="temperature 1"):
+        world.keys(engine="vllm", reference=str(world.reference))
+    world.keys(engine="vllm", reference=str(world.reference), sampling={"n": 2, "temperature": 1.0})
+    world.keys(reference=str(world.reference))                      # hf: exact KL, any decoding

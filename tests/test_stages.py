@@ -108,3 +108,78 @@ def test_killed_shard_resumes_from_its_last_batch(setup):
     clean = pl.read_parquet(generate_shard(clean_plan, 0))
     assert resumed.drop("latency_s").equals(clean.drop("latency_s"))
     assert resumed.height == 3 and resumed["sample_id"].n_unique() == 3
+
+
+class BoxedSevenEngine(CountingEngine):
+    """Every completion answers 7."""
+
+    def generate_batch(self, prompts, sampling, batch_index):
+        return [[Completion(text=r"The answer is $\boxed{7}$.", token_ids=[1, 2], prompt_tokens=5, completion_tokens=2,
+                            finish_reason="stop", latency_s=0.1, batch_size=len(prompts))
+                 for _ in range(sampling.n)] for _ in prompts]
+
+
+def test_regrading_uses_the_current_gold_not_the_copy_in_the_generations(setup, monkeypatch):
+    """A gold-normalisation fix changes the gold of the plan's inputs, not the generations (which are reused): the
+    shard is regraded against the new gold, never against the gold frozen into the cached generations."""
+    import polars as pl
+
+    from evaldag import datasets, grading
+
+    ckpt, _, results = setup
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
+    plan = _plan(ckpt, results)
+    generate_shard(plan, 0)
+    before = pl.read_parquet(grade_shard(plan, 0, workers=0))
+    assert before["status"].to_list() == ["wrong"] * 3            # the real golds are not 7
+
+    real = grading.normalize_gold
+    monkeypatch.setattr(datasets, "normalize_gold", lambda raw, fmt: "7" if raw == "204" else real(raw, fmt))
+    fixed = _plan(ckpt, results)
+    assert fixed.generation_key == plan.generation_key            # the generations are reused...
+    assert fixed.grade_key != plan.grade_key                      # ...the grades are not: a gold changed
+    generate_shard(fixed, 0)
+    after = pl.read_parquet(grade_shard(fixed, 0, workers=0)).sort("sample_id")
+    changed = after.filter(pl.col("gold_raw") == "204")
+    assert changed.height == 1 and changed["gold"].to_list() == ["7"] and changed["status"].to_list() == ["correct"]
+    assert after.filter(pl.col("gold_raw") != "204")["status"].to_list() == ["wrong", "wrong"]
+
+
+def test_grading_timeout_is_part_of_grade_key(setup):
+    ckpt, configs, results = setup
+    plan = _plan(ckpt, results)
+    cfg = configs / "benchmarks" / "aime24.yaml"
+    cfg.write_text(cfg.read_text().replace("grading_timeout_s: 10", "grading_timeout_s: 30"))
+    longer = _plan(ckpt, results)
+    assert longer.generation_key == plan.generation_key and longer.grade_key != plan.grade_key
+
+
+def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
+    """A grade that timed out on a loaded machine is not a result: the next run of the shard grades those rows
+    again (and only those), and a finished-looking shard with timeouts is not skipped."""
+    import polars as pl
+
+    from evaldag import grading
+    from evaldag.stages import finished_shard
+
+    ckpt, _, results = setup
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
+    plan = _plan(ckpt, results)
+    generate_shard(plan, 0)
+    real, calls = grading._grade_inline, []
+
+    def loaded_machine(completion, gold, finish_reason, timeout_s):
+        calls.append(gold)
+        return grading._timeout_grade(timeout_s) if len(calls) == 2 else real(completion, gold, finish_reason,
+                                                                              timeout_s)
+
+    monkeypatch.setattr(grading, "_grade_inline", loaded_machine)
+    first = pl.read_parquet(grade_shard(plan, 0, workers=0))
+    assert first["status"].to_list().count("timeout") == 1 and len(calls) == 3
+    assert finished_shard(plan, 0) is None, "a shard with timed-out grades must run again"
+    again = pl.read_parquet(grade_shard(plan, 0, workers=0))
+    assert len(calls) == 4                                   # only the timed-out row was graded again
+    assert again["status"].to_list() == ["wrong"] * 3
+    kept = [c for c in again.columns if c not in ("status", "pred", "grade_s", "answer_group")]
+    assert again.select(kept).equals(first.select(kept))
+    assert finished_shard(plan, 0) is not None

@@ -148,6 +148,33 @@ def test_events_sent_while_the_server_is_down_are_spooled_then_delivered(trigger
     assert event_id
 
 
+def test_a_full_evaluation_after_a_quick_slice_runs(triggers):
+    """An event asking for a quick slice (extra.limit=1), then the same checkpoint without a limit: two evaluations
+    (the second is not handed the first's flow run); the same event once more starts nothing."""
+    ckpt = _checkpoint("slice-run", 30)
+    notifier = CheckpointNotifier(train_run="slice-run", api_url=triggers.settings.prefect_api_url,
+                                  benchmarks=["math500"], spool_dir=ROOT.parent / "spool-e")
+
+    def evals():
+        return [r for r in _runs("math500") if r.parameters.get("train_run") == "slice-run"]
+
+    def settled(n_events):
+        return len(_event_runs(ckpt)) == n_events and all(r.state.is_final() for r in _event_runs(ckpt) + evals())
+
+    notifier.notify(ckpt, step=30, limit=1)
+    _wait_for(lambda: settled(1) and evals(), timeout=300)
+    notifier.notify(ckpt, step=30)              # the deployment's own setting: SMALL's 2 problems
+    _wait_for(lambda: settled(2) and len(evals()) == 2, timeout=300)
+    notifier.notify(ckpt, step=30)              # identical to the previous one
+    _wait_for(lambda: settled(3), timeout=300)
+    assert all(r.state.is_completed() for r in _event_runs(ckpt) + evals())
+    assert sorted(r.parameters["limit"] for r in evals()) == [1, 2]
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    runs = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'slice-run'")
+    assert sorted(r.data.metrics["n_samples"] for r in runs) == [1, 2]
+
+
 @pytest.mark.parametrize("payload_fn, message", [
     (lambda ok: {k: v for k, v in ok.items() if k != "path"}, "path"),
     (lambda ok: {**ok, "path": "/etc"}, "not under"),
@@ -188,6 +215,24 @@ def test_sweeper_evaluates_checkpoints_nobody_announced(triggers):
     assert again.state.is_completed()
     time.sleep(3)
     assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "quiet-run"]) == 1
+
+
+def test_sweeper_evaluates_again_with_other_settings(triggers):
+    """"Already evaluated" means: with these settings. A sweep with another limit evaluates the checkpoint again; the
+    same sweep repeated does not."""
+    _checkpoint("resweep-run", 310)
+    params = {"roots": [str(ROOT / "resweep-run")]}
+
+    def evals():
+        return [r for r in _runs("math500") if r.parameters.get("train_run") == "resweep-run"]
+
+    for overrides, expected in ((SMALL, 1), ({**SMALL, "limit": 1}, 2), ({**SMALL, "limit": 1}, 2)):
+        fr = run_deployment("eval-sweeper/hourly", parameters={**params, "eval_overrides": overrides}, timeout=300)
+        assert fr.state.is_completed(), fr.state.message
+        _wait_for(lambda: len(evals()) == expected and all(r.state.is_final() for r in evals()), timeout=300)
+    time.sleep(3)
+    assert sorted(r.parameters["limit"] for r in evals()) == [1, 2]
+    assert all(r.state.is_completed() for r in evals())
 
 
 def test_prefect_server_restart_loses_no_event(triggers):

@@ -18,6 +18,9 @@ _ENGINES = {
 }
 DEFAULT_ENGINE_ENV = "EVALDAG_DEFAULT_ENGINE"
 _BUILTIN_DEFAULT = "vllm"       # the fast engine: continuous batching, 3-4x transformers' tokens/s on CPU here
+# Engines that give the exact per-position KL to a reference over the whole vocabulary (score_with_reference);
+# with any other, only the sampled tokens' log-probabilities are available (see evaldag.kl).
+EXACT_KL_ENGINES = frozenset({"hf"})
 # what load_engine passes itself; everything else an engine takes is an engine_arg
 _COMMON = ("model_path", "dtype", "batch_size")
 
@@ -66,4 +69,4 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
     return cls(model_path=model_path, dtype=dtype, batch_size=batch_size, **engine_args)
 
 
-__all__ = ["Completion", "Engine", "default_engine", "load_engine"]
+__all__ = ["Completion", "EXACT_KL_ENGINES", "Engine", "default_engine", "load_engine"]

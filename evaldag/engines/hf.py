@@ -76,6 +76,13 @@ class HFEngine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
+        # Sample what the evaluation's SamplingConfig says, nothing else: transformers fills every setting a
+        # generate() call leaves unset from the checkpoint's generation_config.json (its top_k, repetition
+        # penalty, n-gram bans, minimum length, ...). Only the stop and padding tokens are kept from it.
+        from transformers import GenerationConfig
+
+        self.model.generation_config = GenerationConfig(bos_token_id=gen_cfg.bos_token_id,
+                                                        eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id)
 
     def _format(self, prompt: str) -> str:
         return chat_text(self.tokenizer, prompt)
@@ -108,7 +115,8 @@ class HFEngine:
                       pad_token_id=self.pad_id, num_return_sequences=sampling.n,
                       cache_implementation=self.cache_implementation)
         if sampling.temperature > 0:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+            # top_k=0: no top-k cut (left unset, transformers would apply its default of 50)
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         torch.manual_seed(seed)
@@ -145,28 +153,67 @@ class HFEngine:
         """
         out: list[list[float]] = []
         for lo in range(0, len(prompts), batch_size):
-            texts = [self._format(p) for p in prompts[lo:lo + batch_size]]
-            p_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
             c_ids = completion_ids[lo:lo + batch_size]
-            rows = [p + list(c) for p, c in zip(p_ids, c_ids)]
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(rows), width), dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, :len(r)] = torch.tensor(r)
-                mask[i, :len(r)] = 1
-            with torch.inference_mode():
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-            for i, (p, c) in enumerate(zip(p_ids, c_ids)):
-                if not c:
+            for c, logits in zip(c_ids, self._completion_logits(prompts[lo:lo + batch_size], c_ids)):
+                if not len(c):
                     out.append([])
                     continue
-                # the token at position t is predicted by the logits at t - 1
-                step_logits = logits[i, len(p) - 1:len(p) - 1 + len(c)].float()
-                logp = torch.log_softmax(step_logits, dim=-1)
-                target = torch.tensor(c, device=logp.device).unsqueeze(1)
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                target = torch.tensor(list(c), device=logp.device).unsqueeze(1)
                 out.append(logp.gather(1, target).squeeze(1).tolist())
         return out
+
+    def score_with_reference(self, prompts: list[str], completion_ids: list[list[int]], reference: "HFEngine",
+                             batch_size: int = 4) -> tuple[list[list[float]], list[list[float]], list[list[float]]]:
+        """Per completion token: its log-probability under this model and under `reference`, and the exact
+        KL(this || reference) of the two next-token distributions over the whole vocabulary at that position
+        (temperature 1, float32): sum_v p(v) (log p(v) - log q(v)).
+
+        The exact KL needs both models' full logits at once, so both are loaded together (two models' memory);
+        it assumes nothing about how the completions were decoded (see evaldag.kl)."""
+        logp: list[list[float]] = []
+        ref_logp: list[list[float]] = []
+        kl: list[list[float]] = []
+        for lo in range(0, len(prompts), batch_size):
+            c_ids = completion_ids[lo:lo + batch_size]
+            mine = self._completion_logits(prompts[lo:lo + batch_size], c_ids)
+            theirs = reference._completion_logits(prompts[lo:lo + batch_size], c_ids)
+            for c, a, b in zip(c_ids, mine, theirs):
+                if not len(c):
+                    for out in (logp, ref_logp, kl):
+                        out.append([])
+                    continue
+                if a.shape[-1] != b.shape[-1]:
+                    from evaldag.errors import ConfigError
+
+                    raise ConfigError(f"the reference model has {b.shape[-1]} logits per position, the evaluated "
+                                      f"model {a.shape[-1]}: exact KL needs one vocabulary")
+                # one completion at a time in float32: memory stays at one batch of bf16 logits per model
+                lp = torch.log_softmax(a.float(), dim=-1)
+                lq = torch.log_softmax(b.float().to(lp.device), dim=-1)
+                target = torch.tensor(list(c), device=lp.device).unsqueeze(1)
+                logp.append(lp.gather(1, target).squeeze(1).tolist())
+                ref_logp.append(lq.gather(1, target).squeeze(1).tolist())
+                # clamp: rounding can leave a last-ulp negative where the two distributions are equal
+                kl.append((lp.exp() * (lp - lq)).sum(dim=-1).clamp(min=0.0).tolist())
+        return logp, ref_logp, kl
+
+    def _completion_logits(self, prompts: list[str], completion_ids: list[list[int]]) -> list[torch.Tensor]:
+        """For each completion, the logits that predict each of its tokens (tokens x vocab, the model's dtype),
+        teacher-forced after the chat-formatted prompt; right padding (positions need no shift)."""
+        texts = [self._format(p) for p in prompts]
+        p_ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        rows = [p + list(c) for p, c in zip(p_ids, completion_ids)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(r)] = 1
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        # the token at position t is predicted by the logits at t - 1
+        return [logits[i, len(p) - 1:len(p) - 1 + len(c)] for i, (p, c) in enumerate(zip(p_ids, completion_ids))]
 
     def vocabulary_fingerprint(self) -> int:
         """Cheap identity of the tokenizer, to refuse KL between models that do not share one."""

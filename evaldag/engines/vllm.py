@@ -166,8 +166,12 @@ class VLLMEngine:
     def _sampling_params(self, sampling: SamplingConfig, seed: int):
         from vllm import SamplingParams
 
+        # Exactly the configured distribution: every other knob at its neutral value, spelled out so that neither
+        # vLLM's defaults nor the checkpoint's generation_config.json (vLLM merges it only into requests sent
+        # without params, but that is its choice to change) can add a top-k cut, a penalty or a minimum length.
         common = dict(n=sampling.n, max_tokens=sampling.max_new_tokens, stop_token_ids=sorted(self.eos_ids),
-                      skip_special_tokens=True)
+                      skip_special_tokens=True, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                      frequency_penalty=0.0, min_tokens=0)
         if sampling.temperature > 0:
             return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p, seed=seed, **common)
         return SamplingParams(temperature=0.0, top_p=1.0, **common)         # greedy: no seed needed

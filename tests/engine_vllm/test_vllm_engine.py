@@ -7,8 +7,6 @@ greedy outputs and log-probs (not equal: different kernels, bf16).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 import psutil
@@ -190,3 +188,18 @@ def test_closing_the_stream_early_aborts_what_is_left(engine):
     stream.close()
     assert not engine.llm.llm_engine.has_unfinished_requests()
     assert len(engine.generate_batch(PROMPTS[:2], SamplingConfig(max_new_tokens=8), 0)) == 2
+
+
+def test_sampling_params_are_exactly_the_configured_distribution():
+    """Temperature and top_p as configured; no top-k, min-p, penalty or minimum length from anywhere else (checked
+    without starting vLLM: only the request parameters)."""
+    from evaldag.engines.vllm import VLLMEngine
+
+    eng = VLLMEngine.__new__(VLLMEngine)
+    eng.eos_ids = {2}
+    for cfg in (SamplingConfig(n=4, temperature=0.7, top_p=0.9, seed=1), SamplingConfig()):
+        p = eng._sampling_params(cfg, seed=5)
+        assert (p.temperature, p.top_p) == (cfg.temperature, cfg.top_p)
+        assert (p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens) == \
+            (0, 0.0, 1.0, 0.0, 0.0, 0)
+        assert p.n == cfg.n and p.max_tokens == cfg.max_new_tokens and p.stop_token_ids == [2]

@@ -1,0 +1,70 @@
+"""The identity of a requested evaluation (Prefect idempotency key, the sweeper's "already evaluated"): it follows
+every setting that changes the result, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+
+from evaldag.plan import EvalRequest
+from evaldag.triggers import (IDENTITY, NOT_OUTPUT, OUTPUT_SETTINGS, evaluated_key, evaluation_id,
+                              request_settings_key, settings_key)
+
+CKPT = "/ckpts/run-1/checkpoint-100"
+
+
+def _id(overrides=None, **kw):
+    args = {"train_run": "run-1", "step": 100, "benchmark": "math500", "checkpoint": CKPT, **kw}
+    return evaluation_id(overrides=overrides, **args)
+
+
+def test_a_full_evaluation_after_a_quick_slice_is_a_new_evaluation():
+    assert _id({"limit": 4}) != _id()
+    assert _id({"limit": 4}) != _id({"limit": 5})
+
+
+@pytest.mark.parametrize("overrides", [
+    {"sampling": {"n": 8, "temperature": 0.6}}, {"sampling": {"max_new_tokens": 64}}, {"pass_k": [1, 4]},
+    {"reference": "smollm2-135m-instruct"}, {"engine": "vllm"}, {"num_shards": 7}])
+def test_each_output_setting_is_a_new_evaluation(overrides):
+    assert _id(overrides) != _id()
+
+
+def test_an_identical_request_is_the_same_evaluation():
+    assert _id({"limit": 4, "sampling": {"temperature": 0.6, "n": 4}}) == \
+        _id({"sampling": {"n": 4, "temperature": 0.6}, "limit": 4})           # order does not matter
+    assert _id({"pass_k": [4, 1, 4]}) == _id({"pass_k": [1, 4]})
+    # a setting spelled out at its default value is the same request as leaving it out
+    assert _id({"sampling": {"temperature": 0.0, "max_new_tokens": 512}}) == _id()
+    assert _id({"limit": None, "reference": None}) == _id()
+    # how the evaluation runs and where it is logged do not change what it computes
+    assert _id({"dispatch": "inline", "mlflow_parent_run_id": "abc"}) == _id()
+
+
+def test_identity_fields_still_separate_evaluations():
+    base = _id()
+    for kw in ({"train_run": "run-2"}, {"step": 200}, {"benchmark": "gsm8k"}, {"checkpoint": CKPT + "0"}):
+        assert _id(**kw) != base
+
+
+def test_every_request_field_is_classified():
+    """A new EvalRequest field must be placed: identity, output setting, or not part of the output."""
+    fields = set(EvalRequest.model_fields)
+    assert fields == set(IDENTITY) | set(OUTPUT_SETTINGS) | (set(NOT_OUTPUT) & fields)
+
+
+def test_the_tracked_run_and_the_sweeper_agree():
+    """track() tags a run with request_settings_key(request); the sweeper looks up evaluated_key(...) built from its
+    overrides: the same settings give the same key, so the sweeper skips exactly what was evaluated."""
+    overrides = {"limit": 2, "num_shards": 1, "sampling": {"max_new_tokens": 16}, "dispatch": "inline"}
+    request = EvalRequest.parse(benchmark="math500", checkpoint=CKPT, step=100, train_run="run-1",
+                                **{k: v for k, v in overrides.items() if k != "dispatch"})
+    assert request_settings_key(request) == settings_key("math500", overrides)
+    have = {(CKPT, 100, request_settings_key(request))}
+    assert evaluated_key(CKPT, 100, "math500", overrides) in have
+    assert evaluated_key(CKPT, 100, "math500", {**overrides, "limit": None}) not in have   # the full one is not
+
+
+def test_unreadable_overrides_still_give_a_key():
+    """Overrides the benchmark config rejects are the evaluation flow's to report; the key must not raise first."""
+    assert _id({"sampling": {"temprature": 1}}) != _id()
+    assert _id({"sampling": "nonsense"}) != _id()
