@@ -49,7 +49,7 @@ class Probe(threading.Thread):
         self.errors: list[str] = []
         self._halt = threading.Event()
 
-    def _requests(self, client, flow_run_id: str | None):
+    def _requests(self, flow_run_id: str | None):
         yield "POST", "/flow_runs/filter", {"limit": 50, "sort": "START_TIME_DESC"}
         yield "POST", "/work_pools/gpu/workers/filter", {}
         yield "POST", "/task_runs/filter", {"limit": 50}
@@ -63,7 +63,7 @@ class Probe(threading.Thread):
 
         with httpx.Client(base_url=self.api, timeout=30) as client:
             while not self._halt.is_set():
-                for method, path, body in self._requests(client, getattr(self, "flow_run_id", None)):
+                for method, path, body in self._requests(getattr(self, "flow_run_id", None)):
                     t0 = time.perf_counter()
                     try:
                         r = client.request(method, path, json=body)
@@ -161,7 +161,8 @@ def main() -> None:
               f"max {r['api_max_ms']} ms", flush=True)
     if len(results) == 2:
         s, p = results["sqlite"], results["postgres"]
-        print(f"postgres/sqlite: wall {p['wall_s'] / s['wall_s']:.2f}x  API p95 {p['api_p95_ms'] / s['api_p95_ms']:.2f}x")
+        print(f"postgres/sqlite: wall {p['wall_s'] / s['wall_s']:.2f}x  "
+              f"API p95 {p['api_p95_ms'] / s['api_p95_ms']:.2f}x")
     print(json.dumps(results, indent=2))
 
 
