@@ -13,7 +13,7 @@ export EVALDAG_DATA_DIR ?= $(abspath ../shared/data)
 # `vllm` import) elsewhere. Override with `make setup DEVICE=cpu|cuda`.
 DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
 
-.PHONY: setup model up run test test-fast test-vllm bench bench-vllm bench-peer down status clean
+.PHONY: setup model up run test test-fast test-postgres test-vllm bench bench-vllm bench-peer down status clean
 
 setup: $(VENV)/.installed
 
@@ -49,9 +49,16 @@ up: model
 run: up
 	$(BIN)/evaldag run math500
 
-# Everything, the vLLM engine's tests included (this is what CI runs, through .ci/run).
+# Everything, the vLLM engine's tests included, then the end-to-end tests once more with the Prefect server on
+# PostgreSQL (this is what CI runs, through .ci/run).
 test: setup model
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-postgres
+
+# The end-to-end tests with the stack's Prefect server on a private PostgreSQL cluster (needs PostgreSQL's server
+# programs: `apt-get install postgresql`)
+test-postgres: setup model
+	EVALDAG_TEST_DATABASE=postgres $(BIN)/python -m pytest -q -m stack tests/test_e2e.py
 
 # The fast subset: no stack, no model.
 test-fast: setup
