@@ -14,12 +14,13 @@ from evaldag.tracking import experiment_name, load_samples
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 
 
-def _vllm_processes() -> list[psutil.Process]:
+def _vllm_processes(stack) -> list[psutil.Process]:
+    """vLLM engine processes under the stack's workers (their flow runs' children), alive or zombie."""
     found = []
-    for p in psutil.process_iter(["name", "cmdline"]):
+    for row in stack.status():
         try:
-            if (p.info["name"] or "").startswith("VLLM::"):
-                found.append(p)
+            found += [p for p in psutil.Process(row.pid).children(recursive=True)
+                      if p.name().startswith("VLLM::") or any("VLLM" in part for part in p.cmdline()[:1])]
         except psutil.Error:
             continue
     return found
@@ -42,7 +43,7 @@ def test_eval_flow_on_the_vllm_engine(live_stack):
     assert samples.height == 4 and samples["sample_id"].n_unique() == 4
     assert samples["completion"].str.len_chars().min() > 0
     assert set(samples["finish_reason"]) <= {"stop", "length"}
-    assert not _vllm_processes(), "a vLLM engine process outlived its shard"
+    assert not _vllm_processes(live_stack), "a vLLM engine process outlived its shard"
 
 
 def _children(parent_id) -> list:
@@ -78,4 +79,4 @@ def test_a_checkpoint_on_two_benchmarks_loads_the_engine_once(live_stack):
         [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'vllm-suite'")
         assert run.data.params["engine"] == "vllm"
         assert load_samples(run.info.run_id).height == 2
-    assert not _vllm_processes(), "a vLLM engine process outlived its shard"
+    assert not _vllm_processes(live_stack), "a vLLM engine process outlived its shard"
