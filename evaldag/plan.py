@@ -8,22 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from os import PathLike
 from pathlib import Path
-from typing import Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from upath import UPath
 
 from evaldag import __version__, store
-from evaldag.config import BenchmarkConfig, SamplingConfig, _format_validation, load_benchmark, merge_sampling
+from evaldag.config import (BenchmarkConfig, EngineName, SamplingConfig, _format_validation, load_benchmark,
+                            merge_sampling)
 from evaldag.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.gpus import shard_gpus
 from evaldag.grading import GRADER_VERSION
-from evaldag.models import ResolvedModel, resolve_model
+from evaldag.models import ResolvedModel, resolve_model, with_engine
 from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
@@ -45,8 +44,8 @@ class EvalRequest(BaseModel):
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
     pass_k: list[int] | None = Field(None, description="ks for pass@k and maj@k (each 1 <= k <= n)")
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
-    engine: Literal["hf", "vllm"] | None = Field(None, description="inference engine for this run; default: the "
-                                                                   "model config's (hf for a plain folder)")
+    engine: EngineName | None = Field(None, description="inference engine for this run; default: the model "
+                                                        "config's (hf for a plain folder)")
     train_run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
                                   description="training job the checkpoint belongs to; default: its parent folder")
     mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
@@ -176,8 +175,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     bench = load_benchmark(request.benchmark)
     sampling = merge_sampling(bench.sampling, request.sampling)
     model = resolve_model(request.checkpoint)
-    if request.engine and request.engine != model.engine:
-        model = replace(model, engine=request.engine)
+    model = with_engine(model, request.engine)
     data = load_benchmark_rows(bench, request.limit)
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
@@ -186,6 +184,10 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     shards = plan_shards(data.inputs, num_shards)
     pass_k = _pass_k(request.pass_k or bench.pass_k, sampling.n, explicit=bool(request.pass_k or bench.pass_k))
     reference = resolve_model(request.reference) if request.reference else None
+    if reference and "openai" in (model.engine, reference.engine):
+        raise ConfigError("KL to a reference model needs log-probabilities of given completions, which engine "
+                          "'openai' (a server's API) cannot give; evaluate with a reference on local weights with "
+                          "engine=hf")
     generation_key = compute_eval_key({
         "pipeline": PIPELINE_VERSION,
         "instruction": bench.instruction,

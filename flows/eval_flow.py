@@ -42,7 +42,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     reference: str | None = None,
     train_run: str | None = None,
     mlflow_parent_run_id: str | None = None,
-    engine: Literal["hf", "vllm"] | None = None,
+    engine: Literal["hf", "vllm", "openai"] | None = None,
     dispatch: Literal["deployment", "inline"] = "deployment",
     benchmarks: list[str] | None = None,
 ) -> dict:

