@@ -28,6 +28,7 @@ from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
 from evaldag.run_claims import (HEARTBEAT_TAG, TrackingBusy, claim_run, current_writer, heartbeat, lease_seconds,
                                 still_writer, take_writer)
+from evaldag.series import comparison_key, describe, series_label
 from evaldag.triggers import request_settings_key
 
 log = logging.getLogger("evaldag")
@@ -37,6 +38,7 @@ EXPERIMENT_PREFIX = "evaldag"
 # draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
 # child runs link to it with the tag evaldag.parent_run_id instead.)
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
+COMPARISON_TAG = "evaldag.comparison_key"
 HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
 
 
@@ -121,10 +123,14 @@ def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
              r.data.tags.get("evaldag.settings_key", "")) for r in runs}
 
 
-def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
-    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures."""
+def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
+    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures.
+
+    With `comparison` (evaldag.series.comparison_key), only the evaluations that measured the same thing: a quick
+    slice or another sampling setting is another series, never a point of this one."""
+    like = f" and tags.`{COMPARISON_TAG}` = '{comparison}'" if comparison else ""
     runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
-                              "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                              f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"],
                               max_results=5000)
     rows, seen = [], set()
     for r in runs:
@@ -139,8 +145,11 @@ def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema).sort("step")
 
 
-def history_diagnostics(history: pl.DataFrame) -> list[Diagnostic]:
-    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough)."""
+def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> list[Diagnostic]:
+    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough);
+    `compared` says in each diagnostic which evaluations were set side by side (evaldag.series.describe)."""
+    from dataclasses import replace
+
     from evaldag.diagnostics import accuracy_reward_divergence, reward_fluctuation
 
     out = []
@@ -149,8 +158,12 @@ def history_diagnostics(history: pl.DataFrame) -> list[Diagnostic]:
             out.append(fn(history))
         else:
             name = fn.__name__
-            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job; "
-                                  f"{history.height} so far.", "None.", {"n_checkpoints": history.height}))
+            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job evaluated "
+                                  f"alike; {history.height} so far.", "None.", {"n_checkpoints": history.height}))
+    if compared:
+        out = [replace(d, explanation=f"{d.explanation} Compared: checkpoints {history['step'].to_list()}, each "
+                                      f"evaluated on {compared}.", details={**d.details, "compared": compared})
+               for d in out]
     return out
 
 
@@ -203,6 +216,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         "prefect.flow_run_id": flow_run_id or "",
         "kind": "ckpt_eval",
         "evaldag.settings_key": request_settings_key(plan.request),   # the sweeper's "evaluated with these settings"
+        COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
     }
 
     def candidate() -> str:           # findable by eval_key only once it has won the claim (tags set below)
@@ -266,9 +280,9 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     current = pl.DataFrame([{"step": step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
                              # one sample has no std: an unknown spread makes the fluctuation test see no noise
                              "reward_std": metrics.get("reward/std", float("nan")), "n_samples": metrics["n_samples"]}])
-    history = job_history(client, exp_id, plan.train_run).filter(pl.col("step") != step)
+    history = job_history(client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
-    diags += history_diagnostics(history)
+    diags += history_diagnostics(history, describe(plan))
     from evaldag.diagnostics import to_markdown, to_tags
 
     for k, v in to_tags(diags).items():
@@ -284,8 +298,10 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     # the training job's parent run: this benchmark's headline figures at this step
     parent = parent_run(client, plan.train_run, plan.request.mlflow_parent_run_id)
     client.set_tag(run_id, "evaldag.parent_run_id", parent)
-    bench = plan.benchmark.name
-    client.log_batch(parent, metrics=[Metric(mlflow_key(f"{bench}/{k}"), float(metrics[k]), now, step)
+    # one curve per kind of evaluation: math500/accuracy for the benchmark's own settings, math500.limit4/accuracy
+    # for quick slices, math500.n8.t0.6/accuracy for a sampled variant...
+    series = ".".join(filter(None, (plan.benchmark.name, series_label(plan))))
+    client.log_batch(parent, metrics=[Metric(mlflow_key(f"{series}/{k}"), float(metrics[k]), now, step)
                                       for k in HEADLINE if k in metrics])
     heartbeat(client, run_id, generation)
     for name, folder in (("samples.parquet", "samples"), ("plan.json", "config"), ("metrics.json", "config")):

@@ -171,3 +171,37 @@ def test_a_live_writer_is_waited_for_and_a_dead_one_is_taken_over(mlflow_server,
     taken = tracking.track(plan2, _metrics(0.5, 0.5), flow_run_id="flow-run-C", lease_s=60, wait_s=3)
     assert taken.run_id == run2 and client.get_run(run2).info.status == "FINISHED"
     assert len(_runs(plan2.eval_key)) == 1
+
+
+def test_job_history_compares_like_with_like(mlflow_server, configs, tmp_path):
+    """A job evaluated at steps 100 and 300 with the benchmark's settings and at step 200 with a sampled slice:
+    the slice is not part of the others' history (nor they of its), each diagnostic says what it compared, and the
+    parent run keeps one curve per kind of evaluation."""
+    from mlflow import MlflowClient
+
+    from evaldag.plan import load_plan
+    from evaldag.tracking import JOBS_EXPERIMENT, track
+
+    sampled = {"sampling": {"n": 2, "temperature": 0.6}}
+    runs = {}
+    for step, request, accuracy in ((100, {}, 0.5), (200, sampled, 1.0), (300, {}, 0.5)):
+        plan = load_plan(_finished_plan(tmp_path, step, "mix-run", **request))
+        runs[step] = track(plan, _metrics(accuracy, accuracy, n=2 * (1 + bool(request))), flow_run_id=f"fr-{step}")
+
+    def diag(step, name):
+        return next(d for d in runs[step].diagnostics if d.name == name)
+
+    alone = diag(200, "reward_fluctuation")
+    assert not alone.fired and "1 so far" in alone.explanation          # nothing else was evaluated like it
+    assert "n=2" in alone.details["compared"] and "temperature 0.6" in alone.details["compared"]
+    pair = diag(300, "reward_fluctuation")
+    assert [(j["step_from"], j["step_to"]) for j in pair.details["jumps"]] == [(100, 300)]
+    assert "greedy" in pair.details["compared"] and "greedy" in pair.explanation
+
+    client = MlflowClient()
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    [parent] = client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'mix-run'")
+    curves = {k: sorted(m.step for m in client.get_metric_history(parent.info.run_id, k))
+              for k in parent.data.metrics if k.endswith("/accuracy")}
+    # (these plans evaluate 2 problems: a slice, named as such)
+    assert curves == {"aime24.limit2/accuracy": [100, 300], "aime24.limit2.n2.t0.6/accuracy": [200]}
