@@ -194,7 +194,8 @@ def math_equivalent(a: str, b: str) -> bool:
     """Whether two extracted answers are mathematically equal according to math-verify (either direction).
 
     math-verify's own timeouts are off (they rely on signal.alarm, which fails outside the main thread), so a
-    pathological pair is unbounded here; run this where grading runs, inside the pool's hard timeout.
+    pathological pair is unbounded here; the grade stage runs it through evaldag.grading.BoundedCalls, under the
+    grading timeout.
     verify(gold, pred) is not symmetric (the gold side decides e.g. set versus interval readings), so either
     direction counts.
     """
