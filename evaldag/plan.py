@@ -156,7 +156,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None) ->
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
     num_shards = min(request.num_shards or bench.num_shards, data.inputs.height)
     shards = plan_shards(data.inputs, num_shards)
-    pass_k = _pass_k(request.pass_k or bench.pass_k, sampling.n, explicit=bool(request.pass_k or bench.pass_k))
+    pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)
     reference = resolve_model(request.reference) if request.reference else None
     if reference is not None:
         _check_kl_is_defined(model, reference, sampling)
@@ -212,14 +212,23 @@ def _check_kl_is_defined(model: ResolvedModel, reference: ResolvedModel, samplin
                           f"top_p 1.0")
 
 
-def _pass_k(ks: list[int] | None, n: int, explicit: bool) -> list[int]:
-    """The ks of pass@k/maj@k: as asked (each checked against n), else 1, 2, 4, ... up to n, and n itself."""
-    if explicit:
-        bad = [k for k in ks if not 1 <= k <= n]
+def _pass_k(requested: list[int] | None, configured: list[int] | None, n: int) -> list[int]:
+    """The ks of pass@k/maj@k.
+
+    Asked for in the request: as asked, each checked against n (a k > n is the user's mistake, named). From the
+    benchmark config: those <= n, since one config serves runs with different n (as sampling_metrics skips larger
+    ks). Otherwise, or when none fits: 1, 2, 4, ... up to n, and n itself."""
+    if requested:
+        bad = [k for k in requested if not 1 <= k <= n]
         if bad:
             raise ConfigError(f"pass_k {bad} must lie in 1..n where n={n} samples per problem; raise sampling.n "
                               "(with temperature > 0) or drop those ks")
-        return sorted(set(ks))
+        return sorted(set(requested))
+    if any(k < 1 for k in configured or []):
+        raise ConfigError(f"the benchmark config's pass_k {configured} holds ks below 1; each k must be >= 1")
+    fitting = sorted({k for k in configured or [] if k <= n})
+    if fitting:
+        return fitting
     out, k = [], 1
     while k <= n:
         out.append(k)
