@@ -27,7 +27,7 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache in the hf engine; 3: exact sampling distribution (hf)
+PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds
 
 
 class EvalRequest(BaseModel):
@@ -117,6 +117,13 @@ class EvalPlan(BaseModel):
     def cache_record_path(self, shard: int) -> UPath:
         """Which stages of this shard this evaluation computed and which it found done (cache hit rate)."""
         return self.path(f"shards/stages-{shard:04d}.json")
+
+    def shard_sampling(self, shard: int) -> SamplingConfig:
+        """The sampling of one shard: the plan's, with a seed of its own derived from (seed, shard). Engines seed
+        each batch from the seed and the batch's index, so shards seeded alike would draw the same random
+        streams for their first, second, ... batches."""
+        digest = hashlib.sha256(f"{self.sampling.seed}:shard:{shard}".encode()).digest()
+        return self.sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "little") >> 2})
 
     def shard_inputs(self, shard: int) -> pl.DataFrame:
         """The input rows of one shard, in the plan's order."""

@@ -96,6 +96,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
     load_s = time.perf_counter() - t0
     chunks = out.with_name(out.stem + ".chunks")
     batches = engine.plan_batches(prompts, plan.sampling)
+    sampling = plan.shard_sampling(shard)      # a random stream of its own per shard
     t1, tokens, resumed = time.perf_counter(), 0, 0
     records = inputs.to_dicts()
     for b, idx in enumerate(batches):
@@ -105,7 +106,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
             continue
         if b > 0:
             faults.maybe_fail("generate")
-        completions = engine.generate_batch([prompts[i] for i in idx], plan.sampling, b)
+        completions = engine.generate_batch([prompts[i] for i in idx], sampling, b)
         rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
                  "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
                  "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,

@@ -222,3 +222,31 @@ def test_answer_grouping_is_bounded_like_grading(setup, monkeypatch):
     graded = pl.read_parquet(done[0])
     assert graded["answer_group"].to_list() == [0, 1]                  # not shown equal: two answers
     assert json.loads(plan.stats_path("grade", 0).read_text())["grouping_timeouts"] == 1
+
+
+class SeedRecordingEngine(CountingEngine):
+    seeds: list = []
+
+    def generate_batch(self, prompts, sampling, batch_index):
+        type(self).seeds.append(sampling.seed + batch_index)    # what the hf engine seeds torch with
+        return super().generate_batch(prompts, sampling, batch_index)
+
+
+def test_shards_draw_from_different_random_streams(setup, monkeypatch):
+    """Two shards of one sampled evaluation must not share a random stream (the first batch of every shard was
+    seeded alike), and a shard generated again repeats its own."""
+    ckpt, _, results = setup
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: SeedRecordingEngine())
+    SeedRecordingEngine.seeds = []
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2,
+                               sampling={"n": 2, "temperature": 0.7}), results)
+    for shard in (0, 1):
+        generate_shard(plan, shard)
+    first = list(SeedRecordingEngine.seeds)
+    assert len(first) == 2 and len(set(first)) == 2, first         # one batch per shard, two streams
+    again = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2,
+                                sampling={"n": 2, "temperature": 0.7}), results.parent / "again")
+    SeedRecordingEngine.seeds = []
+    for shard in (0, 1):
+        generate_shard(again, shard)
+    assert SeedRecordingEngine.seeds == first
