@@ -10,6 +10,7 @@ The trainer side (evaldag/trainer.py) does not import this module: it must run w
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -27,6 +28,9 @@ log = logging.getLogger("evaldag.checkpoints")
 ROOTS_ENV = "EVALDAG_CHECKPOINT_ROOTS"
 # Kept equal to evaldag.trainer.TRAIN_RUN_PATTERN: the run name ends up in a folder name and a Prefect resource id.
 TRAIN_RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# The free-form `extra` of an event ends up in flow-run parameters and the Prefect database: a few settings
+# (limit, notes), not a payload. Measured as compact JSON.
+MAX_EXTRA_BYTES = 16384
 
 # Folder-name layouts whose training step parse_step recognizes (whole name, case-insensitive), with examples:
 STEP_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.IGNORECASE), ex) for p, ex in (
@@ -132,6 +136,10 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
         raise CheckpointError(f"invalid checkpoint event payload: {_describe(e)}") from None
     raw = event.path
     where = f"checkpoint event (train_run={event.train_run}, step={event.step})"
+    extra_size = len(json.dumps(event.extra, separators=(",", ":"), default=str).encode())
+    if extra_size > MAX_EXTRA_BYTES:
+        raise CheckpointError(f"{where}: extra is {extra_size} bytes of JSON; at most {MAX_EXTRA_BYTES} are accepted "
+                              "(it carries a few settings such as limit; keep large data out of the event)")
     if "\0" in raw:
         raise CheckpointError(f"{where}: path contains a NUL character")
     if not os.path.isabs(raw):

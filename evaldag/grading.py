@@ -346,6 +346,41 @@ def grade_many(items: Sequence[tuple[str, str, str]], timeout_s: float = 10.0, w
     return out
 
 
+class BoundedCalls:
+    """Calls of module-level functions in a pebble process pool, each with a hard `timeout_s` (the pool kills the
+    worker of a call that overruns), one at a time; a context manager. For work that, like grading, can hang in
+    sympy's C code where no signal reaches it: maj@k's answer grouping (evaldag.sampling_metrics.math_equivalent).
+    The pool starts on the first call, so a table that needs no call costs nothing. `timeouts` counts the calls
+    that were cut (a worker that died counts too)."""
+
+    def __init__(self, timeout_s: float, workers: int = 1) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        self.timeout_s, self.workers, self.timeouts = timeout_s, max(1, workers), 0
+        self._pool = None
+
+    def __enter__(self) -> "BoundedCalls":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join()
+            self._pool = None
+
+    def call(self, fn: Any, *args: Any, default: Any = None) -> Any:
+        """`fn(*args)` in a worker; `default` when it overran `timeout_s` or its worker died."""
+        from pebble import ProcessExpired, ProcessPool
+
+        if self._pool is None:
+            self._pool = ProcessPool(max_workers=self.workers, initializer=_warm_worker, context=_mp_context())
+        try:
+            return self._pool.schedule(fn, args=args, timeout=self.timeout_s).result()
+        except (TimeoutError, ProcessExpired):
+            self.timeouts += 1
+            return default
+
+
 _THINK_RE = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
 

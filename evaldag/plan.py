@@ -27,7 +27,7 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache in the hf engine; 3: exact sampling distribution (hf)
+PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds
 
 
 class EvalRequest(BaseModel):
@@ -119,6 +119,13 @@ class EvalPlan(BaseModel):
         """Which stages of this shard this evaluation computed and which it found done (cache hit rate)."""
         return self.path(f"shards/stages-{shard:04d}.json")
 
+    def shard_sampling(self, shard: int) -> SamplingConfig:
+        """The sampling of one shard: the plan's, with a seed of its own derived from (seed, shard). Engines seed
+        each batch from the seed and the batch's index, so shards seeded alike would draw the same random
+        streams for their first, second, ... batches."""
+        digest = hashlib.sha256(f"{self.sampling.seed}:shard:{shard}".encode()).digest()
+        return self.sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "little") >> 2})
+
     def shard_inputs(self, shard: int) -> pl.DataFrame:
         """The input rows of one shard, in the plan's order."""
         if not 0 <= shard < self.num_shards:
@@ -182,7 +189,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     slots = max(1, gpu_slots // shard_gpus(model))
     num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards)
     shards = plan_shards(data.inputs, num_shards)
-    pass_k = _pass_k(request.pass_k or bench.pass_k, sampling.n, explicit=bool(request.pass_k or bench.pass_k))
+    pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)
     reference = resolve_model(request.reference) if request.reference else None
     if reference and "openai" in (model.engine, reference.engine):
         raise ConfigError("KL to a reference model needs log-probabilities of given completions, which engine "
@@ -224,14 +231,23 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     return plan
 
 
-def _pass_k(ks: list[int] | None, n: int, explicit: bool) -> list[int]:
-    """The ks of pass@k/maj@k: as asked (each checked against n), else 1, 2, 4, ... up to n, and n itself."""
-    if explicit:
-        bad = [k for k in ks if not 1 <= k <= n]
+def _pass_k(requested: list[int] | None, configured: list[int] | None, n: int) -> list[int]:
+    """The ks of pass@k/maj@k.
+
+    Asked for in the request: as asked, each checked against n (a k > n is the user's mistake, named). From the
+    benchmark config: those <= n, since one config serves runs with different n (as sampling_metrics skips larger
+    ks). Otherwise, or when none fits: 1, 2, 4, ... up to n, and n itself."""
+    if requested:
+        bad = [k for k in requested if not 1 <= k <= n]
         if bad:
             raise ConfigError(f"pass_k {bad} must lie in 1..n where n={n} samples per problem; raise sampling.n "
                               "(with temperature > 0) or drop those ks")
-        return sorted(set(ks))
+        return sorted(set(requested))
+    if any(k < 1 for k in configured or []):
+        raise ConfigError(f"the benchmark config's pass_k {configured} holds ks below 1; each k must be >= 1")
+    fitting = sorted({k for k in configured or [] if k <= n})
+    if fitting:
+        return fitting
     out, k = [], 1
     while k <= n:
         out.append(k)

@@ -194,7 +194,8 @@ def math_equivalent(a: str, b: str) -> bool:
     """Whether two extracted answers are mathematically equal according to math-verify (either direction).
 
     math-verify's own timeouts are off (they rely on signal.alarm, which fails outside the main thread), so a
-    pathological pair is unbounded here; run this where grading runs, inside the pool's hard timeout.
+    pathological pair is unbounded here; the grade stage runs it through evaldag.grading.BoundedCalls, under the
+    grading timeout.
     verify(gold, pred) is not symmetric (the gold side decides e.g. set versus interval readings), so either
     direction counts.
     """
@@ -263,10 +264,11 @@ def _z(confidence: float) -> float:
     return NormalDist().inv_cdf(0.5 + confidence / 2)
 
 
-def wilson_interval(successes: int, total: int, confidence: float = 0.95) -> tuple[float, float]:
+def wilson_interval(successes: float, total: int, confidence: float = 0.95) -> tuple[float, float]:
     """Wilson score interval for a binomial proportion (good near 0 and 1, unlike the normal approximation).
 
-    Only valid for independent trials: one sample per problem, or one value per problem (maj@k).
+    Only valid for independent trials: one sample per problem, or one value per problem (maj@k). `successes` may
+    be fractional (a mean of per-problem fractions times the number of problems).
     """
     if total <= 0 or not 0 <= successes <= total:
         raise ValueError(f"need 0 <= successes <= total and total > 0, got successes={successes}, total={total}")
@@ -324,7 +326,8 @@ def sampling_metrics(graded: pl.DataFrame, ks: list[int], confidence: float = 0.
     `pass@{k}/subject/<slug>`, `pass@{k}/level/<slug>` where the table has those columns non-null.
 
     maj@k appears only when the table has `answer_key_col`. Intervals are percentile bootstraps over problems
-    (avg@n with one sample per problem uses the Wilson interval, its exact-coverage counterpart).
+    (avg@n with one sample per problem uses the Wilson interval, its exact-coverage counterpart; so does any metric
+    whose per-problem values are all equal, where the bootstrap would give a zero-width interval).
     Values of k above n are skipped, so one benchmark config can list ks for several n.
     """
     counts, n = _problem_counts(graded)
@@ -334,8 +337,13 @@ def sampling_metrics(graded: pl.DataFrame, ks: list[int], confidence: float = 0.
     out: dict[str, float] = {}
 
     def put(name: str, per_problem: pl.Series) -> None:
-        out[name] = float(per_problem.mean())
-        out[f"{name}_ci_low"], out[f"{name}_ci_high"] = bootstrap_mean_ci(per_problem, n_boot, seed, confidence)
+        out[name] = mean = float(per_problem.mean())
+        low, high = bootstrap_mean_ci(per_problem, n_boot, seed, confidence)
+        if high <= low:
+            # Every problem has the same value (e.g. all wrong): resampling problems cannot vary it, but m problems
+            # only bound the mean as far as m trials do; 0/500 gives [0, 0.0076], not [0, 0].
+            low, high = wilson_interval(mean * per_problem.len(), per_problem.len(), confidence)
+        out[f"{name}_ci_low"], out[f"{name}_ci_high"] = low, high
 
     avg = f"avg@{n}"
     if n == 1:

@@ -98,6 +98,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
         engine = got.engine
         load_s = time.perf_counter() - t0
         batches = engine.plan_batches(prompts, plan.sampling)
+        sampling = plan.shard_sampling(shard)      # a random stream of its own per shard
 
         def chunk(b: int) -> UPath:
             return chunks / f"batch-{b:05d}-of-{len(batches):05d}.parquet"
@@ -107,7 +108,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
         t1, tokens = time.perf_counter(), 0
         # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
         # loaded for the retry (engines.pool)
-        with contextlib.closing(engine.generate_batches(todo, plan.sampling)) as stream:
+        with contextlib.closing(engine.generate_batches(todo, sampling)) as stream:
             for b, completions in stream:
                 idx = batches[b]
                 rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
@@ -220,7 +221,6 @@ def _regrade_timeouts(plan: EvalPlan, shard: int, out: UPath, workers: int) -> U
     """Grade the timed-out rows of a graded file again (the machine may have been loaded, or the limit raised) and
     rewrite the file; rows that time out again stay "timeout" until the next run."""
     from evaldag.grading import grade_table
-    from evaldag.sampling_metrics import assign_answer_groups
 
     graded = read_table(out, GRADED_SCHEMA).with_row_index("_row")
     todo = graded.filter(pl.col("status") == "timeout")
@@ -230,9 +230,10 @@ def _regrade_timeouts(plan: EvalPlan, shard: int, out: UPath, workers: int) -> U
                          strip_thinking=plan.benchmark.strip_thinking).with_columns(todo["_row"])
     merged = (pl.concat([graded.filter(pl.col("status") != "timeout"), redone.select(graded.columns)])
               .sort("_row").drop("_row"))
-    merged = assign_answer_groups(merged)
+    merged, grouping_timeouts = _group_answers(plan, merged, workers)
     stats_path = plan.stats_path("grade", shard)
     stats = store.read_json(stats_path) if stats_path.is_file() else {}
+    stats["grouping_timeouts"] = grouping_timeouts
     stats["grading_s"] = stats.get("grading_s", 0.0) + time.perf_counter() - t0
     stats["regraded_timeouts"] = stats.get("regraded_timeouts", 0) + todo.height
     store.write_json(stats_path, stats)
@@ -257,9 +258,22 @@ def with_current_inputs(gens: pl.DataFrame, plan: EvalPlan, shard: int) -> pl.Da
             .select(list(GENERATION_SCHEMA)))
 
 
+def _group_answers(plan: EvalPlan, graded: pl.DataFrame, workers: int) -> tuple[pl.DataFrame, int]:
+    """assign_answer_groups with every math-verify comparison bounded by the grading timeout, in a worker process
+    (workers >= 1; workers=0, the debugging mode, compares in this process without a bound). A comparison that
+    times out counts as "not the same answer". Returns the table and the number of comparisons cut."""
+    from evaldag.grading import BoundedCalls
+    from evaldag.sampling_metrics import assign_answer_groups, math_equivalent
+
+    if workers == 0:
+        return assign_answer_groups(graded), 0
+    with BoundedCalls(plan.benchmark.grading_timeout_s) as calls:
+        grouped = assign_answer_groups(graded, lambda a, b: calls.call(math_equivalent, a, b, default=False))
+    return grouped, calls.timeouts
+
+
 def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     from evaldag.grading import grade_table
-    from evaldag.sampling_metrics import assign_answer_groups
 
     faults.maybe_fail("grade")
     gens = with_current_inputs(read_table(plan.generations_path(shard), GENERATION_SCHEMA), plan, shard)
@@ -267,9 +281,10 @@ def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     graded = grade_table(gens, timeout_s=plan.benchmark.grading_timeout_s, workers=workers,
                          strip_thinking=plan.benchmark.strip_thinking)
     grading_s = time.perf_counter() - t0
-    graded = assign_answer_groups(graded)
+    graded, grouping_timeouts = _group_answers(plan, graded, workers)
     store.write_json(plan.stats_path("grade", shard), {"grading_s": grading_s, "grading_samples": graded.height,
-                                                   "grouping_s": time.perf_counter() - t0 - grading_s})
+                                                   "grouping_s": time.perf_counter() - t0 - grading_s,
+                                                   "grouping_timeouts": grouping_timeouts})
     write_table(graded, out, GRADED_SCHEMA)
     _record_stage(plan, shard, "grade", computed=True)
     return out

@@ -9,10 +9,13 @@ MLFLOW_TRACKING_URI (the local stack exports it to every worker).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
@@ -23,13 +26,19 @@ from mlflow.entities import Metric, Param
 from evaldag import faults, store
 from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
+from evaldag.run_claims import (HEARTBEAT_TAG, TrackingBusy, claim_run, current_writer, heartbeat, lease_seconds,
+                                still_writer, take_writer)
+from evaldag.series import comparison_key, describe, series_label
 from evaldag.triggers import request_settings_key
+
+log = logging.getLogger("evaldag")
 
 EXPERIMENT_PREFIX = "evaldag"
 # One run per training job, holding every benchmark's headline metrics at step = checkpoint step: its chart view
 # draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
 # child runs link to it with the tag evaldag.parent_run_id instead.)
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
+COMPARISON_TAG = "evaldag.comparison_key"
 HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
 
 
@@ -79,27 +88,24 @@ def _experiment_id(client, name: str) -> str:
 def parent_run(client, train_run: str, requested: str | None = None) -> str:
     """The training job's parent run (get-or-create; a run id the trainer created itself wins).
 
-    Two evaluations finishing at once may both create one; both then keep the oldest and the newer is deleted, so
-    a job ends with exactly one parent.
-    """
+    Claimed atomically (evaldag.run_claims): evaluations of one job finishing at once on different hosts agree on
+    one parent. A parent logged before claims existed (the oldest one) is claimed as it is."""
     if requested:
         return requested
     exp_id = _experiment_id(client, JOBS_EXPERIMENT)
-    filt = f"tags.train_run = '{train_run}' and tags.kind = 'train_job'"
 
-    def oldest():
-        return client.search_runs([exp_id], filter_string=filt, order_by=["attributes.start_time ASC"],
-                                  max_results=10)
+    def legacy() -> str | None:
+        runs = client.search_runs([exp_id], filter_string=f"tags.train_run = '{train_run}' and tags.kind = "
+                                  "'train_job'", order_by=["attributes.start_time ASC"], max_results=1)
+        return runs[0].info.run_id if runs else None
 
-    runs = oldest()
-    if runs:
-        return runs[0].info.run_id
-    mine = client.create_run(exp_id, run_name=train_run, tags={"train_run": train_run, "kind": "train_job"})
-    runs = oldest()
-    if runs and runs[0].info.run_id != mine.info.run_id:
-        client.delete_run(mine.info.run_id)
-        return runs[0].info.run_id
-    return mine.info.run_id
+    def candidate() -> str:   # not findable as the job's parent (kind) until it has won the claim
+        return client.create_run(exp_id, run_name=train_run,
+                                 tags={"train_run": train_run, "kind": "train_job_candidate"}).info.run_id
+
+    run_id, _ = claim_run(client, exp_id, f"train_run:{train_run}", candidate, legacy)
+    client.set_tag(run_id, "kind", "train_job")
+    return run_id
 
 
 def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
@@ -117,10 +123,14 @@ def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
              r.data.tags.get("evaldag.settings_key", "")) for r in runs}
 
 
-def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
-    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures."""
+def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
+    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures.
+
+    With `comparison` (evaldag.series.comparison_key), only the evaluations that measured the same thing: a quick
+    slice or another sampling setting is another series, never a point of this one."""
+    like = f" and tags.`{COMPARISON_TAG}` = '{comparison}'" if comparison else ""
     runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
-                              "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                              f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"],
                               max_results=5000)
     rows, seen = [], set()
     for r in runs:
@@ -135,8 +145,11 @@ def job_history(client, experiment_id: str, train_run: str) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema).sort("step")
 
 
-def history_diagnostics(history: pl.DataFrame) -> list[Diagnostic]:
-    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough)."""
+def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> list[Diagnostic]:
+    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough);
+    `compared` says in each diagnostic which evaluations were set side by side (evaldag.series.describe)."""
+    from dataclasses import replace
+
     from evaldag.diagnostics import accuracy_reward_divergence, reward_fluctuation
 
     out = []
@@ -145,8 +158,12 @@ def history_diagnostics(history: pl.DataFrame) -> list[Diagnostic]:
             out.append(fn(history))
         else:
             name = fn.__name__
-            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job; "
-                                  f"{history.height} so far.", "None.", {"n_checkpoints": history.height}))
+            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job evaluated "
+                                  f"alike; {history.height} so far.", "None.", {"n_checkpoints": history.height}))
+    if compared:
+        out = [replace(d, explanation=f"{d.explanation} Compared: checkpoints {history['step'].to_list()}, each "
+                                      f"evaluated on {compared}.", details={**d.details, "compared": compared})
+               for d in out]
     return out
 
 
@@ -170,17 +187,22 @@ def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
     return out
 
 
-def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> TrackedRun:
-    """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet; get-or-create by eval_key."""
+def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s: float | None = None,
+          wait_s: float | None = None) -> TrackedRun:
+    """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet into the evaluation's one
+    MLflow run (evaldag.run_claims: claimed atomically by eval_key, written by one writer at a time).
+
+    A finished run is returned as it is. An unfinished one is finished by this call when nobody is writing it: it
+    was this flow run's own earlier attempt (same `flow_run_id`), or its writer's heartbeat is older than `lease_s`
+    (a crash). While another writer is alive this call waits up to `wait_s` (default lease + 30 s) for it to finish,
+    then raises TrackingBusy, which the track task retries."""
     client = _client()
     name = experiment_name(plan.benchmark.name)
     exp_id = _experiment_id(client, name)
-    existing = find_run(client, exp_id, plan.eval_key)
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if existing is not None and existing.info.status == "FINISHED":
-        if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
-            client.set_tag(existing.info.run_id, "prefect.last_flow_run_id", flow_run_id)
-        return TrackedRun(existing.info.run_id, exp_id, False, _url(uri, exp_id, existing.info.run_id))
+    lease_s = lease_seconds() if lease_s is None else lease_s
+    wait_s = lease_s + 30 if wait_s is None else wait_s
+    owner = flow_run_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     model = plan.resolved_model
     step = plan.request.step
     tags = {
@@ -194,11 +216,37 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
         "prefect.flow_run_id": flow_run_id or "",
         "kind": "ckpt_eval",
         "evaldag.settings_key": request_settings_key(plan.request),   # the sweeper's "evaluated with these settings"
+        COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
     }
-    if existing is not None:           # an earlier attempt died while logging: finish that run instead
-        run_id = existing.info.run_id
-    else:
-        run_id = client.create_run(exp_id, run_name=f"{plan.train_run}@{step}", tags=tags).info.run_id
+
+    def candidate() -> str:           # findable by eval_key only once it has won the claim (tags set below)
+        rest = {k: v for k, v in tags.items() if k != "eval_key"}
+        return client.create_run(exp_id, run_name=f"{plan.train_run}@{step}",
+                                 tags={**rest, "evaldag.candidate_for": plan.eval_key}).info.run_id
+
+    def legacy() -> str | None:       # a run logged before claims existed
+        run = find_run(client, exp_id, plan.eval_key)
+        return run.info.run_id if run is not None else None
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        run_id, created = claim_run(client, exp_id, plan.eval_key, candidate, legacy)
+        run = client.get_run(run_id)
+        if run.info.status == "FINISHED":
+            if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
+                _set_tag_best_effort(client, run_id, "prefect.last_flow_run_id", flow_run_id)
+            return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
+        if take_writer(client, run_id, owner, lease_s):
+            break
+        if time.monotonic() > deadline:
+            raise TrackingBusy(f"MLflow run {run_id} of eval_key {plan.eval_key[:16]} is being logged by "
+                               f"{current_writer(client.get_run(run_id))[1]} (heartbeat younger than {lease_s:.0f} "
+                               f"s); waited {wait_s:.0f} s for it to finish. Retry later: a dead writer's run is "
+                               "taken over once its lease expires")
+        time.sleep(1.0)
+    current = client.get_run(run_id)
+    existing = None if created else current      # a run an earlier attempt left unfinished: finish it
+    generation = current_writer(current)[0]
     params = {
         "model": model.name, "checkpoint": model.path, "model_fingerprint": model.fingerprint[:16],
         "engine": model.engine, "dtype": model.dtype, "batch_size": model.batch_size,
@@ -221,6 +269,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     )
     for k, v in tags.items():
         client.set_tag(run_id, k, v)
+    heartbeat(client, run_id, generation)
     faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
 
     # Diagnostics: the shard test of this evaluation, and the job's history including this checkpoint.
@@ -231,13 +280,14 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     current = pl.DataFrame([{"step": step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
                              # one sample has no std: an unknown spread makes the fluctuation test see no noise
                              "reward_std": metrics.get("reward/std", float("nan")), "n_samples": metrics["n_samples"]}])
-    history = job_history(client, exp_id, plan.train_run).filter(pl.col("step") != step)
+    history = job_history(client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
-    diags += history_diagnostics(history)
+    diags += history_diagnostics(history, describe(plan))
     from evaldag.diagnostics import to_markdown, to_tags
 
     for k, v in to_tags(diags).items():
         client.set_tag(run_id, k, v)
+    heartbeat(client, run_id, generation)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "diagnostics.md"
         report.write_text(to_markdown(diags))
@@ -248,14 +298,32 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> Trac
     # the training job's parent run: this benchmark's headline figures at this step
     parent = parent_run(client, plan.train_run, plan.request.mlflow_parent_run_id)
     client.set_tag(run_id, "evaldag.parent_run_id", parent)
-    bench = plan.benchmark.name
-    client.log_batch(parent, metrics=[Metric(mlflow_key(f"{bench}/{k}"), float(metrics[k]), now, step)
+    # one curve per kind of evaluation: math500/accuracy for the benchmark's own settings, math500.limit4/accuracy
+    # for quick slices, math500.n8.t0.6/accuracy for a sampled variant...
+    series = ".".join(filter(None, (plan.benchmark.name, series_label(plan))))
+    client.log_batch(parent, metrics=[Metric(mlflow_key(f"{series}/{k}"), float(metrics[k]), now, step)
                                       for k in HEADLINE if k in metrics])
+    heartbeat(client, run_id, generation)
     for name, folder in (("samples.parquet", "samples"), ("plan.json", "config"), ("metrics.json", "config")):
         with store.local_copy(plan.path(name)) as local:
             client.log_artifact(run_id, str(local), artifact_path=folder)
+    if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
+        raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
     client.set_terminated(run_id, "FINISHED")
     return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
+
+
+def _set_tag_best_effort(client, run_id: str, key: str, value: str) -> None:
+    """An informational tag that several evaluations may set at once: the tracking server's SQL store can refuse
+    one of two simultaneous first writes of a tag (a unique-key race); the other's value is as good."""
+    from mlflow.exceptions import MlflowException
+
+    for _ in range(2):
+        try:
+            client.set_tag(run_id, key, value)
+            return
+        except MlflowException as e:
+            log.info("tag %s of run %s not set (%s)", key, run_id, e)
 
 
 def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
@@ -269,7 +337,11 @@ def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
         plan_file = metrics_file.with_name("plan.json")
         if not plan_file.is_file():
             continue
-        run = track(load_plan(plan_file), json.loads(metrics_file.read_text()))
+        try:
+            run = track(load_plan(plan_file), json.loads(metrics_file.read_text()))
+        except TrackingBusy as e:         # being logged right now by its own evaluation
+            log.warning("skipping %s: %s", plan_file, e)
+            continue
         if run.created:
             created.append(run)
     return created
@@ -289,4 +361,5 @@ def load_samples(run_id: str) -> pl.DataFrame:
     return pl.read_parquet(local)
 
 
-__all__ = ["track", "TrackedRun", "experiment_name", "find_run", "job_history", "load_samples", "mlflow_key"]
+__all__ = ["track", "TrackedRun", "TrackingBusy", "experiment_name", "find_run", "job_history", "load_samples",
+           "mlflow_key", "HEARTBEAT_TAG"]

@@ -226,3 +226,14 @@ def test_discover_with_marker(root):
 def test_discover_missing_root(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         discover_checkpoints(tmp_path / "nope")
+
+
+def test_oversized_extra_is_refused(root):
+    """`extra` is free-form and untrusted; it travels into flow-run parameters and the database: it is capped."""
+    from evaldag.checkpoints import MAX_EXTRA_BYTES
+
+    ckpt = _complete(root / "checkpoint-1200")
+    with pytest.raises(CheckpointError, match=r"extra is \d+ bytes of JSON; at most 16384"):
+        validate_checkpoint_event(_payload(ckpt, extra={"blob": "x" * 200_000}), [root])
+    assert MAX_EXTRA_BYTES == 16384
+    validate_checkpoint_event(_payload(ckpt, extra={"limit": 4, "note": "y" * 1000}), [root])

@@ -225,3 +225,18 @@ def test_kl_is_exact_whatever_engine_generated(tmp_path, monkeypatch):
     greedy = world.keys(engine="vllm", reference=str(world.reference))
     assert greedy != world.keys(engine="vllm", reference=str(world.reference), sampling={"n": 2, "temperature": 1.0})
     world.keys(reference=str(world.reference))
+
+
+def test_benchmark_pass_k_above_n_is_skipped_like_the_metrics_do(tmp_path, monkeypatch):
+    """A benchmark config lists ks for several n (sampling_metrics skips k > n); a run with fewer samples uses
+    the ks that fit. An explicit request for k > n is still an error naming it."""
+    from evaldag.errors import ConfigError
+
+    world = KeyWorld(tmp_path, monkeypatch)
+    world.bench(lambda c: c.update(pass_k=[1, 2, 8]))
+    plan = resolve(EvalRequest(**{**world.request, "pass_k": None}), world.results)      # n = 2
+    assert plan.pass_k == [1, 2]
+    plan = resolve(EvalRequest(**{**world.request, "pass_k": None, "sampling": None}), world.results)   # greedy
+    assert plan.pass_k == [1]
+    with pytest.raises(ConfigError, match=r"pass_k \[8\] must lie in 1..n"):
+        resolve(EvalRequest(**{**world.request, "pass_k": [1, 8]}), world.results)

@@ -223,3 +223,18 @@ def test_maj_vote_for_a_mixed_group_is_not_correct():
     table = pl.DataFrame({"sample_id": ["a"] * 3, "sample_index": [0, 1, 2], "answer_group": [4, 4, 9],
                           "correct": [True, False, False], "status": ["correct", "wrong", "wrong"]})
     assert maj_at_k(table, [3]) == {"maj@3": 0.0}
+
+
+@pytest.mark.parametrize("all_correct", [False, True])
+def test_all_wrong_or_all_right_has_a_real_interval(all_correct):
+    """0 of 500 problems right with n=4 samples each: the bootstrap of a constant has width 0, but the data only
+    bound the accuracy by about 3.8/500 (the Wilson bound over problems); the interval must say so."""
+    n, problems = 4, 500
+    graded = pl.DataFrame({"sample_id": np.repeat([f"p{i:03d}" for i in range(problems)], n),
+                           "sample_index": np.tile(np.arange(n), problems), "correct": all_correct})
+    m = sampling_metrics(graded, [1, 4])
+    for name in ("avg@4", "pass@1", "pass@4"):
+        low, high = m[f"{name}_ci_low"], m[f"{name}_ci_high"]
+        assert high - low > 0.005, (name, low, high)
+        assert low <= m[name] <= high
+        assert (high if not all_correct else 1 - low) == pytest.approx(wilson_interval(0, problems)[1], rel=1e-6)

@@ -183,3 +183,73 @@ def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
     kept = [c for c in again.columns if c not in ("status", "pred", "grade_s", "answer_group")]
     assert again.select(kept).equals(first.select(kept))
     assert finished_shard(plan, 0) is not None
+
+
+class TwoPowersEngine(CountingEngine):
+    """Two different huge powers per problem: comparing them makes sympy expand 2^(2^30), for minutes."""
+
+    def generate_batch(self, prompts, sampling, batch_index):
+        texts = [r"$\boxed{2^{2^{30}}}$", r"$\boxed{4^{2^{29}}}$"]
+        return [[Completion(text=texts[k % 2], token_ids=[1], prompt_tokens=5, completion_tokens=1,
+                            finish_reason="stop", latency_s=0.1, batch_size=len(prompts))
+                 for k in range(sampling.n)] for _ in prompts]
+
+
+def test_answer_grouping_is_bounded_like_grading(setup, monkeypatch):
+    """maj@k's answer grouping compares wrong answers with math-verify; a pathological pair is cut at the grading
+    timeout (and counted as two different answers) instead of hanging the grade stage."""
+    import polars as pl
+
+    from evaldag import grading
+
+    ckpt, configs, results = setup
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: TwoPowersEngine())
+    cfg = configs / "benchmarks" / "aime24.yaml"
+    cfg.write_text(cfg.read_text().replace("grading_timeout_s: 10", "grading_timeout_s: 2"))
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=1, num_shards=1,
+                               sampling={"n": 2, "temperature": 0.7}), results)
+    generate_shard(plan, 0)
+
+    def graded_as_wrong(df, timeout_s, workers, strip_thinking):    # grading itself is tested elsewhere
+        return df.with_columns(pred=pl.Series(["2^{2^{30}}", "4^{2^{29}}"]), status=pl.lit("wrong"),
+                               correct=pl.lit(False), grade_s=pl.lit(0.0),
+                               answer_group=pl.lit(None, dtype=pl.Int64))
+
+    monkeypatch.setattr(grading, "grade_table", graded_as_wrong)
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(grade_shard(plan, 0, workers=1)), daemon=True)
+    t0 = time.perf_counter()
+    worker.start()
+    worker.join(timeout=90)
+    assert done, f"the grade stage hung in answer grouping for {time.perf_counter() - t0:.0f} s"
+    graded = pl.read_parquet(done[0])
+    assert graded["answer_group"].to_list() == [0, 1]                  # not shown equal: two answers
+    assert json.loads(plan.stats_path("grade", 0).read_text())["grouping_timeouts"] == 1
+
+
+class SeedRecordingEngine(CountingEngine):
+    seeds: list = []
+
+    def generate_batch(self, prompts, sampling, batch_index):
+        type(self).seeds.append(sampling.seed + batch_index)    # what the hf engine seeds torch with
+        return super().generate_batch(prompts, sampling, batch_index)
+
+
+def test_shards_draw_from_different_random_streams(setup, monkeypatch):
+    """Two shards of one sampled evaluation must not share a random stream (the first batch of every shard was
+    seeded alike), and a shard generated again repeats its own."""
+    ckpt, _, results = setup
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: SeedRecordingEngine())
+    SeedRecordingEngine.seeds = []
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2,
+                               sampling={"n": 2, "temperature": 0.7}), results)
+    for shard in (0, 1):
+        generate_shard(plan, shard)
+    first = list(SeedRecordingEngine.seeds)
+    assert len(first) == 2 and len(set(first)) == 2, first         # one batch per shard, two streams
+    again = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2,
+                                sampling={"n": 2, "temperature": 0.7}), results.parent / "again")
+    SeedRecordingEngine.seeds = []
+    for shard in (0, 1):
+        generate_shard(again, shard)
+    assert SeedRecordingEngine.seeds == first

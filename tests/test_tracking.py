@@ -1,0 +1,207 @@
+"""MLflow tracking against a real MLflow server (SQLite backend, the local stack's setup), without the Prefect stack:
+one run per evaluation however many processes track it at once, a writer lease so that a live writer is never
+joined, and job histories that compare like with like."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import complete_checkpoint, free_ports
+
+pytestmark = pytest.mark.stack
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on a free port; MLFLOW_TRACKING_URI points at it for this module."""
+    import httpx
+
+    home = tmp_path_factory.mktemp("mlflow")
+    (port,) = free_ports(1)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri",
+                             f"sqlite:///{home / 'mlflow.db'}", "--artifacts-destination", str(home / "artifacts"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=open(home / "log", "w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"mlflow server did not start: {(home / 'log').read_text()[-2000:]}")
+            time.sleep(0.5)
+        old = os.environ.get("MLFLOW_TRACKING_URI")
+        os.environ["MLFLOW_TRACKING_URI"] = url
+        yield url
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def configs(tmp_path, monkeypatch):
+    from evaldag import paths
+
+    folder = tmp_path / "configs"
+    shutil.copytree(paths.REPO_ROOT / "configs", folder)
+    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(folder))
+    return folder
+
+
+def _finished_plan(tmp_path: Path, step: int, train_run: str, **request) -> str:
+    """A resolved plan with its samples.parquet and metrics.json in the result store, as reduce leaves them; returns
+    the plan.json path. The metrics are made up: tracking logs what it is given."""
+    from evaldag.plan import EvalRequest, resolve
+
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / train_run / f"checkpoint-{step}")
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), step=step, limit=2, num_shards=1,
+                               train_run=train_run, **request), tmp_path / "results")
+    pl.DataFrame({"sample_id": ["a", "b"], "correct": [True, False]}).write_parquet(plan.path("samples.parquet"))
+    plan.path("metrics.json").write_text(json.dumps(_metrics(0.5, 0.5)))
+    return str(plan.path("plan.json"))
+
+
+def _metrics(accuracy: float, reward: float, n: int = 2) -> dict:
+    return {"accuracy": accuracy, "reward/mean": reward, "reward/std": 0.5, "n_samples": float(n)}
+
+
+def _track_in_process(plan_path: str, flow_run_id: str, barrier, results, uri: str) -> None:
+    """One evaluation's track task in its own process, released together with the others by the barrier."""
+    os.environ["MLFLOW_TRACKING_URI"] = uri      # importing conftest here dropped it
+    from evaldag.plan import load_plan
+    from evaldag.tracking import track
+
+    plan = load_plan(plan_path)
+    barrier.wait()
+    run = track(plan, _metrics(0.5, 0.5), flow_run_id=flow_run_id)
+    results.put((run.run_id, run.created))
+
+
+def _runs(eval_key: str) -> list:
+    from mlflow import MlflowClient
+
+    from evaldag.tracking import experiment_name
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("aime24"))
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.eval_key = '{eval_key}'")
+
+
+def test_concurrent_tracks_of_one_evaluation_make_one_run(mlflow_server, configs, tmp_path):
+    """Four processes track the same evaluation at the same moment (twins that finished together): they agree on
+    one MLflow run, exactly one of them creates it, and no second run appears. Three evaluations, to give a race
+    every chance."""
+    from evaldag.plan import load_plan
+
+    ctx = multiprocessing.get_context("spawn")
+    for step in (10, 20, 30):
+        plan_path = _finished_plan(tmp_path, step, "race-run")
+        barrier, results = ctx.Barrier(4), ctx.Queue()
+        procs = [ctx.Process(target=_track_in_process, args=(plan_path, f"flow-run-{i}", barrier, results,
+                                                             mlflow_server))
+                 for i in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        got = [results.get(timeout=5) for _ in procs]
+        assert len({run_id for run_id, _ in got}) == 1, got
+        assert sum(created for _, created in got) == 1, got
+        runs = _runs(load_plan(plan_path).eval_key)
+        assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    # and the training job has one parent run, whatever raced for it
+    from mlflow import MlflowClient
+
+    from evaldag.tracking import JOBS_EXPERIMENT
+
+    client = MlflowClient()
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    assert len(client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'race-run'")) == 1
+
+
+def test_a_live_writer_is_waited_for_and_a_dead_one_is_taken_over(mlflow_server, configs, tmp_path):
+    """A RUNNING run whose writer is alive (fresh heartbeat) is not written into by another evaluation: that one
+    waits and gives up with a retryable error; once the writer's lease has expired, its run is taken over and
+    finished; the writer's own retry (same flow run) resumes at once."""
+    from mlflow import MlflowClient
+
+    from evaldag import tracking
+    from evaldag.plan import load_plan
+
+    plan = load_plan(_finished_plan(tmp_path, 40, "lease-run"))
+    client = MlflowClient()
+    exp_id = tracking._experiment_id(client, tracking.experiment_name("aime24"))
+    run_id, created = tracking.claim_run(client, exp_id, plan.eval_key, lambda: client.create_run(exp_id).info.run_id)
+    assert created
+    assert tracking.take_writer(client, run_id, "flow-run-A", lease_s=60)         # A is writing...
+    t0 = time.time()
+    with pytest.raises(tracking.TrackingBusy, match="flow-run-A"):
+        tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-B", lease_s=60, wait_s=3)
+    assert 3 <= time.time() - t0 < 30
+    assert "accuracy" not in client.get_run(run_id).data.metrics                    # B wrote nothing
+    resumed = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-A", lease_s=60, wait_s=3)
+    assert resumed.run_id == run_id and client.get_run(run_id).info.status == "FINISHED"
+
+    # a dead writer: its heartbeat is older than the lease
+    plan2 = load_plan(_finished_plan(tmp_path, 50, "lease-run"))
+    run2, _ = tracking.claim_run(client, exp_id, plan2.eval_key, lambda: client.create_run(exp_id).info.run_id)
+    assert tracking.take_writer(client, run2, "flow-run-dead", lease_s=60)
+    client.set_tag(run2, tracking.HEARTBEAT_TAG, f"0:{time.time() - 3600}")      # generation 0, an hour ago
+    taken = tracking.track(plan2, _metrics(0.5, 0.5), flow_run_id="flow-run-C", lease_s=60, wait_s=3)
+    assert taken.run_id == run2 and client.get_run(run2).info.status == "FINISHED"
+    assert len(_runs(plan2.eval_key)) == 1
+
+
+def test_job_history_compares_like_with_like(mlflow_server, configs, tmp_path):
+    """A job evaluated at steps 100 and 300 with the benchmark's settings and at step 200 with a sampled slice:
+    the slice is not part of the others' history (nor they of its), each diagnostic says what it compared, and the
+    parent run keeps one curve per kind of evaluation."""
+    from mlflow import MlflowClient
+
+    from evaldag.plan import load_plan
+    from evaldag.tracking import JOBS_EXPERIMENT, track
+
+    sampled = {"sampling": {"n": 2, "temperature": 0.6}}
+    runs = {}
+    for step, request, accuracy in ((100, {}, 0.5), (200, sampled, 1.0), (300, {}, 0.5)):
+        plan = load_plan(_finished_plan(tmp_path, step, "mix-run", **request))
+        runs[step] = track(plan, _metrics(accuracy, accuracy, n=2 * (1 + bool(request))), flow_run_id=f"fr-{step}")
+
+    def diag(step, name):
+        return next(d for d in runs[step].diagnostics if d.name == name)
+
+    alone = diag(200, "reward_fluctuation")
+    assert not alone.fired and "1 so far" in alone.explanation          # nothing else was evaluated like it
+    assert "n=2" in alone.details["compared"] and "temperature 0.6" in alone.details["compared"]
+    pair = diag(300, "reward_fluctuation")
+    assert [(j["step_from"], j["step_to"]) for j in pair.details["jumps"]] == [(100, 300)]
+    assert "greedy" in pair.details["compared"] and "greedy" in pair.explanation
+
+    client = MlflowClient()
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    [parent] = client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'mix-run'")
+    curves = {k: sorted(m.step for m in client.get_metric_history(parent.info.run_id, k))
+              for k in parent.data.metrics if k.endswith("/accuracy")}
+    # (these plans evaluate 2 problems: a slice, named as such)
+    assert curves == {"aime24.limit2/accuracy": [100, 300], "aime24.limit2.n2.t0.6/accuracy": [200]}
