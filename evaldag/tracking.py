@@ -30,6 +30,10 @@ EXPERIMENT_PREFIX = "evaldag"
 # draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
 # child runs link to it with the tag evaldag.parent_run_id instead.)
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
+# MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
+# charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
 
 
@@ -67,13 +71,16 @@ def find_run(client, experiment_id: str, eval_key: str):
 
 
 def _experiment_id(client, name: str) -> str:
+    """The experiment's id (get-or-create), marked as a model-training experiment whether new or already there."""
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name)
-    except Exception:  # created meanwhile by a concurrent evaluation
-        return client.get_experiment_by_name(name).experiment_id
+    if exp is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+        except Exception:  # created meanwhile by a concurrent evaluation
+            exp = client.get_experiment_by_name(name)
+    if exp.tags.get(EXPERIMENT_KIND_TAG) != TRAINING_KIND:   # made by an older evaldag or the UI
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return exp.experiment_id
 
 
 def parent_run(client, train_run: str, requested: str | None = None) -> str:
