@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+from evaldag import progress
 from evaldag.errors import EvalDagError, StackError
 from evaldag.stack import Stack
 
@@ -43,26 +44,17 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     url = f"{stack.prefect_url}/runs/flow-run/{fr.id}"
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
     t0 = time.time()
-    with get_client(sync_client=True) as client, console.status("") as status:
+    with get_client(sync_client=True) as client, progress.Display(console, name) as display:
         while True:
             fr = client.read_flow_run(fr.id)
-            children = client.read_flow_runs(
-                flow_run_filter=_children_filter(fr.id)) if fr.state and fr.state.is_running() else []
-            done = sum(1 for c in children if c.state and c.state.is_completed())
-            status.update(f"{name}: {fr.state.name if fr.state else 'Pending'}; shards done {done}/{len(children)}; "
-                          f"{time.time() - t0:.0f} s")
+            snap = progress.snapshot(client, fr.id)
+            display.update(fr.state.name if fr.state else "Pending", snap)
             if fr.state and fr.state.is_final():
                 break
             time.sleep(1)
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
     _print_result(console, benchmark, str(fr.id), time.time() - t0, stack)
-
-
-def _children_filter(parent_id):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-    return FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
 
 
 def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stack: Stack) -> None:
