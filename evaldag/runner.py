@@ -61,7 +61,7 @@ def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stac
     from mlflow import MlflowClient
     from rich.table import Table
 
-    from evaldag.tracking import experiment_name
+    from evaldag.tracking import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
@@ -87,4 +87,8 @@ def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stac
     console.print(table)
     console.print(f"completed in {wall_s:.0f} s")
     console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
-    console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
+    console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+                  f"?{UI_TRAINING}")
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    if jobs is not None:
+        console.print(f"training jobs side by side: {charts_url(stack.mlflow_url, jobs.experiment_id)}")

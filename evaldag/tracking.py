@@ -282,10 +282,20 @@ def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
     return created
 
 
+# The UI's global "GenAI / Model training" switch starts on GenAI in a fresh browser whatever the experiment's kind;
+# links evaldag prints carry the training one so they open on runs and charts.
+UI_TRAINING = "workflowType=machine_learning"
+
+
 def _url(uri: str, exp_id: str, run_id: str) -> str | None:
     if uri.startswith("http"):
-        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{UI_TRAINING}"
     return None
+
+
+def charts_url(uri: str, exp_id: str) -> str:
+    """The MLflow UI's chart view of an experiment: every logged metric against step, one series per run."""
+    return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
 
 
 def load_samples(run_id: str) -> pl.DataFrame:
@@ -296,4 +306,4 @@ def load_samples(run_id: str) -> pl.DataFrame:
     return pl.read_parquet(local)
 
 
-__all__ = ["track", "TrackedRun", "experiment_name", "find_run", "job_history", "load_samples", "mlflow_key"]
+__all__ = ["track", "TrackedRun", "charts_url", "experiment_name", "find_run", "job_history", "load_samples", "mlflow_key"]

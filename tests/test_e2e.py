@@ -200,6 +200,7 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
     assert "accuracy" in out and "n_samples" in out
     assert f"Prefect UI: {live_stack.prefect_url}/runs/flow-run/" in out
     assert f"MLflow UI:  {live_stack.mlflow_url}/#/experiments/" in out
+    assert "workflowType=machine_learning&compareRunsMode=CHART" in out     # the jobs chart link
     # not a terminal: one line per completed shard, with the problems its progress artifact reported
     assert "eval/math500: shard " in out and "1/1 done; 2/2 problems" in out, out
     parent = out.split(f"{live_stack.prefect_url}/runs/flow-run/")[-1].split()[0]
