@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from rich.console import Console
 
 from evaldag import progress
@@ -42,3 +44,32 @@ def test_on_a_terminal_a_progress_bar_with_rate_and_shards():
                                                     retried=1))
     text = out.getvalue()
     assert "4/10" in text and "tok/s" in text and "1/2 done" in text and "1 retried" in text
+
+
+class _Run:
+    id, name = "0b1c", "sassy-fox"
+
+
+def test_ctrl_c_off_a_terminal_leaves_the_run_and_says_how_to_cancel(monkeypatch):
+    from evaldag import runner
+
+    monkeypatch.setattr(runner, "cancel_flow_run", lambda _id: pytest.fail("cancelled without asking"))
+    out = io.StringIO()
+    runner._interrupted(Console(file=out, width=200), _Run(), "http://ui/run", ask=False)
+    assert "left sassy-fox running" in out.getvalue() and "prefect flow-run cancel 0b1c" in out.getvalue()
+
+
+@pytest.mark.parametrize("answer, cancels", [("cancel", True), ("leave", False)])
+def test_ctrl_c_on_a_terminal_does_what_the_answer_says(monkeypatch, answer, cancels):
+    from rich.prompt import Prompt
+
+    from evaldag import runner
+
+    asked, cancelled = [], []
+    monkeypatch.setattr(Prompt, "ask", classmethod(lambda cls, q, **kw: asked.append(q) or answer))
+    monkeypatch.setattr(runner, "cancel_flow_run", lambda _id: cancelled.append(_id) or 3)
+    out = io.StringIO()
+    runner._interrupted(Console(file=out, width=200), _Run(), "http://ui/run", ask=True)
+    assert asked and "cancel" in asked[0]
+    assert cancelled == (["0b1c"] if cancels else [])
+    assert ("cancelling sassy-fox and 2 shard" in out.getvalue()) == cancels
