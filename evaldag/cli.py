@@ -7,6 +7,7 @@ exits with code 1, without a traceback: see `_Group.invoke`, the one place that 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Annotated, Optional
 
 import click
@@ -307,7 +308,9 @@ def sync() -> None:
 @app.command()
 def compare(
     benchmark: Annotated[Optional[list[str]], typer.Option("--benchmark", "-b", help="only these benchmarks")] = None,
-    train_run: Annotated[Optional[str], typer.Option(help="only this training job")] = None,
+    train_run: Annotated[Optional[list[str]], typer.Option(help="only this training job (repeat for several)")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="also draw accuracy (with intervals) and reward against "
+                                                 "step, one line per training job, to this PNG")] = None,
 ) -> None:
     """Checkpoints x benchmarks from MLflow: accuracy, interval, delta to the previous and the best checkpoint."""
     from rich.console import Console
@@ -323,6 +326,10 @@ def compare(
         console.print("no finished evaluations in MLflow yet; run one with `evaldag run math500 --limit 20`")
         return
     console.print(render(df))
+    if plot is not None:
+        from evaldag.compare import plot as draw
+
+        console.print(f"plot written to {draw(df, plot)}")
 
 
 if __name__ == "__main__":

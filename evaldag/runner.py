@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 
+from evaldag import progress
 from evaldag.errors import EvalDagError, StackError
 from evaldag.stack import Stack
 
@@ -43,33 +44,66 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     url = f"{stack.prefect_url}/runs/flow-run/{fr.id}"
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
     t0 = time.time()
-    with get_client(sync_client=True) as client, console.status("") as status:
-        while True:
-            fr = client.read_flow_run(fr.id)
-            children = client.read_flow_runs(
-                flow_run_filter=_children_filter(fr.id)) if fr.state and fr.state.is_running() else []
-            done = sum(1 for c in children if c.state and c.state.is_completed())
-            status.update(f"{name}: {fr.state.name if fr.state else 'Pending'}; shards done {done}/{len(children)}; "
-                          f"{time.time() - t0:.0f} s")
-            if fr.state and fr.state.is_final():
-                break
-            time.sleep(1)
+    try:
+        with get_client(sync_client=True) as client, progress.Display(console, name) as display:
+            while True:
+                fr = client.read_flow_run(fr.id)
+                snap = progress.snapshot(client, fr.id)
+                display.update(fr.state.name if fr.state else "Pending", snap)
+                if fr.state and fr.state.is_final():
+                    break
+                time.sleep(1)
+    except KeyboardInterrupt:
+        _interrupted(console, fr, url, ask=console.is_terminal)
+        return
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
     _print_result(console, benchmark, str(fr.id), time.time() - t0, stack)
 
 
-def _children_filter(parent_id):
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+def _interrupted(console, fr, url: str, ask: bool) -> None:
+    """Ctrl-C while following: cancel the flow run (and its shard flow runs) or leave it running, as asked.
 
-    return FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))
+    Off a terminal nobody can answer, so the run is left running and the line says how to cancel it."""
+    cancel = False
+    if ask:
+        from rich.prompt import Prompt
+
+        try:
+            answer = Prompt.ask(f"\nstopped following {fr.name}: cancel the flow run, or leave it running?",
+                                choices=["cancel", "leave"], default="leave", console=console)
+        except (KeyboardInterrupt, EOFError):   # a second Ctrl-C: leave it, the safe choice
+            answer = "leave"
+        cancel = answer == "cancel"
+    if not cancel:
+        console.print(f"left {fr.name} running: {url} (cancel it with `prefect flow-run cancel {fr.id}`)")
+        return
+    cancelled = cancel_flow_run(fr.id)
+    console.print(f"cancelling {fr.name} and {cancelled - 1} shard flow run(s): {url}")
+
+
+def cancel_flow_run(flow_run_id) -> int:
+    """Move a flow run and its unfinished child flow runs to Cancelling (their workers stop them); returns how many
+    flow runs were asked to cancel."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])))
+        targets = [flow_run_id] + [c.id for c in children if c.state is None or not c.state.is_final()]
+        for target in targets:
+            client.set_flow_run_state(target, Cancelling(message="cancelled from `evaldag run` (Ctrl-C)"),
+                                      force=True)
+    return len(targets)
 
 
 def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stack: Stack) -> None:
     from mlflow import MlflowClient
     from rich.table import Table
 
-    from evaldag.tracking import experiment_name
+    from evaldag.tracking import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
@@ -95,4 +129,8 @@ def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stac
     console.print(table)
     console.print(f"completed in {wall_s:.0f} s")
     console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
-    console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}")
+    console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+                  f"?{UI_TRAINING}")
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    if jobs is not None:
+        console.print(f"training jobs side by side: {charts_url(stack.mlflow_url, jobs.experiment_id)}")

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import resource
 import time
+from collections.abc import Callable
 from os import PathLike
 
 import polars as pl
@@ -64,25 +65,34 @@ def finished_shard(plan: EvalPlan, shard: int) -> UPath | None:
     return outputs["grade"]
 
 
-def generate_shard(plan: EvalPlan, shard: int) -> UPath:
+# progress(problems done, problems in the shard, tokens generated so far): called as generation starts and after
+# each completed batch; the orchestration layer publishes it (tasks/generate.py: a Prefect progress artifact)
+Progress = Callable[[int, int, int], None]
+
+
+def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None) -> UPath:
     """Generate `n` completions for every problem of one shard; write and return the generations file.
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
+    `progress`, when given, hears how many of the shard's problems are done after each batch.
     """
     out = plan.generations_path(shard)
     with store.lock(out):
         if out.is_file():
             log.info("shard %d: generations already in %s, reusing them", shard, out)
             _record_stage(plan, shard, "generate", computed=False)
+            if progress is not None:
+                total = plan.shard_inputs(shard).height
+                progress(total, total, 0)
         else:
-            _generate(plan, shard, out)
+            _generate(plan, shard, out, progress)
             _record_stage(plan, shard, "generate", computed=True)
     if plan.reference is not None:
         score_shard(plan, shard)
     return out
 
 
-def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
+def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None = None) -> None:
     """Generate batch by batch, each batch written as its own parquet chunk as soon as it completes: a shard killed
     midway (node loss, OOM, kill -9) resumes from its complete chunks, and since batches and their seeds are
     deterministic the resumed output equals an uninterrupted one. The engine gets every missing batch at once
@@ -106,6 +116,10 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
         todo = [(b, [prompts[i] for i in idx]) for b, idx in enumerate(batches) if not chunk(b).is_file()]
         resumed, left = len(batches) - len(todo), len(todo)
         t1, tokens = time.perf_counter(), 0
+        todo_ids = {b for b, _ in todo}
+        done = sum(len(idx) for b, idx in enumerate(batches) if b not in todo_ids)   # resumed from chunks
+        if progress is not None:
+            progress(done, len(prompts), 0)
         # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
         # loaded for the retry (engines.pool)
         with contextlib.closing(engine.generate_batches(todo, sampling)) as stream:
@@ -119,6 +133,9 @@ def _generate(plan: EvalPlan, shard: int, out: UPath) -> None:
                 write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk(b), GENERATION_SCHEMA)
                 tokens += sum(r["completion_tokens"] for r in rows)
                 left -= 1
+                done += len(idx)
+                if progress is not None:
+                    progress(done, len(prompts), tokens)
                 log.info("shard %d: batch %d of %d done (%d left), %d tokens, %.0f tok/s", shard, b + 1,
                          len(batches), left, tokens, tokens / (time.perf_counter() - t1))
                 if left:

@@ -39,6 +39,10 @@ EXPERIMENT_PREFIX = "evaldag"
 # child runs link to it with the tag evaldag.parent_run_id instead.)
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
 COMPARISON_TAG = "evaldag.comparison_key"
+# MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
+# charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
 HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
 
 
@@ -76,13 +80,16 @@ def find_run(client, experiment_id: str, eval_key: str):
 
 
 def _experiment_id(client, name: str) -> str:
+    """The experiment's id (get-or-create), marked as a model-training experiment whether new or already there."""
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return client.create_experiment(name)
-    except Exception:  # created meanwhile by a concurrent evaluation
-        return client.get_experiment_by_name(name).experiment_id
+    if exp is None:
+        try:
+            return client.create_experiment(name, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
+        except Exception:  # created meanwhile by a concurrent evaluation
+            exp = client.get_experiment_by_name(name)
+    if exp.tags.get(EXPERIMENT_KIND_TAG) != TRAINING_KIND:   # made by an older evaldag or the UI
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return exp.experiment_id
 
 
 def parent_run(client, train_run: str, requested: str | None = None) -> str:
@@ -347,10 +354,20 @@ def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
     return created
 
 
+# The UI's global "GenAI / Model training" switch starts on GenAI in a fresh browser whatever the experiment's kind;
+# links evaldag prints carry the training one so they open on runs and charts.
+UI_TRAINING = "workflowType=machine_learning"
+
+
 def _url(uri: str, exp_id: str, run_id: str) -> str | None:
     if uri.startswith("http"):
-        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{UI_TRAINING}"
     return None
+
+
+def charts_url(uri: str, exp_id: str) -> str:
+    """The MLflow UI's chart view of an experiment: every logged metric against step, one series per run."""
+    return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
 
 
 def load_samples(run_id: str) -> pl.DataFrame:
@@ -361,5 +378,5 @@ def load_samples(run_id: str) -> pl.DataFrame:
     return pl.read_parquet(local)
 
 
-__all__ = ["track", "TrackedRun", "TrackingBusy", "experiment_name", "find_run", "job_history", "load_samples",
-           "mlflow_key", "HEARTBEAT_TAG"]
+__all__ = ["track", "TrackedRun", "TrackingBusy", "charts_url", "experiment_name", "find_run", "job_history",
+           "load_samples", "mlflow_key", "HEARTBEAT_TAG"]

@@ -43,6 +43,23 @@ def _shard_runs(parent_id) -> list:
     return asyncio.run(go())
 
 
+def _progress_artifacts(parent_id) -> list:
+    """The progress artifacts published by the parent's shard flow runs."""
+    import asyncio
+
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    shard_ids = [r.id for r in _shard_runs(parent_id)]
+
+    async def go():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=shard_ids),
+                type=ArtifactFilterType(any_=["progress"])))
+
+    return asyncio.run(go())
+
+
 def _runs_with_key(benchmark: str, eval_key: str) -> list:
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
@@ -183,6 +200,13 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
     assert "accuracy" in out and "n_samples" in out
     assert f"Prefect UI: {live_stack.prefect_url}/runs/flow-run/" in out
     assert f"MLflow UI:  {live_stack.mlflow_url}/#/experiments/" in out
+    assert "workflowType=machine_learning&compareRunsMode=CHART" in out     # the jobs chart link
+    # not a terminal: one line per completed shard, with the problems its progress artifact reported
+    assert "eval/math500: shard " in out and "1/1 done; 2/2 problems" in out, out
+    parent = out.split(f"{live_stack.prefect_url}/runs/flow-run/")[-1].split()[0]
+    artifacts = _progress_artifacts(parent)
+    assert [(a.data, a.key) for a in artifacts] == [(100.0, "progress-math500-shard-0")]
+    assert "2 of 2 problems" in artifacts[0].description
 
     again = subprocess.run([evaldag, "run", "math500", "--limit", "2", "--num-shards", "1", "--step", "3",
                             "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)

@@ -253,3 +253,22 @@ def test_shards_draw_from_different_random_streams(setup, monkeypatch):
     for shard in (0, 1):
         generate_shard(again, shard)
     assert SeedRecordingEngine.seeds == first
+
+
+def test_progress_is_reported_per_batch_and_on_resume_and_reuse(setup):
+    """The progress callback hears problems done after every batch, starts from the resumed batches, and a reused
+    shard reports itself complete at once."""
+    ckpt, _, results = setup
+    plan = _plan(ckpt, results)
+    heard = []
+    CountingEngine.crash_at = 1
+    with pytest.raises(ConnectionError):
+        generate_shard(plan, 0, lambda *a: heard.append(a))
+    assert heard == [(0, 3, 0), (2, 3, 6)]                     # 3 problems, batches of 2, 3 tokens each
+    CountingEngine.crash_at = None
+    heard.clear()
+    generate_shard(plan, 0, lambda *a: heard.append(a))
+    assert heard == [(2, 3, 0), (3, 3, 3)]                     # resumed from the first batch's chunk
+    heard.clear()
+    generate_shard(plan, 0, lambda *a: heard.append(a))
+    assert heard == [(3, 3, 0)]                                # reused

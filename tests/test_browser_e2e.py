@@ -1,0 +1,108 @@
+"""What a person sees, checked in a real browser: Playwright drives Debian's chromium (headless, no sandbox, no
+background networking) against the real stack's MLflow and Prefect UIs after real evaluations.
+
+Three checkpoints of one training job and one of another are evaluated (one problem each); the MLflow chart view of
+the training-jobs experiment must draw both jobs' `math500/accuracy` series with every step, and the Prefect UI must
+show the parent flow run's shard flow runs and a shard's progress artifact. On failure, screenshots are saved in a
+temporary folder whose path the failure message names.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect.deployments import run_deployment
+
+from evaldag.tracking import JOBS_EXPERIMENT, charts_url
+from test_e2e import _shard_runs
+
+pytestmark = [pytest.mark.stack, pytest.mark.model]
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+JOBS = {"browser-job-a": (10, 20, 30), "browser-job-b": (20,)}
+
+
+@pytest.fixture
+def page():
+    """A fresh headless chromium page; screenshots of every page visited are kept when the test fails."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} missing: apt-get install -y chromium")
+    shots = Path(tempfile.mkdtemp(prefix="evaldag-browser-"))
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        pg = browser.new_page(viewport={"width": 1600, "height": 1000})
+        pg.shots = shots
+        try:
+            yield pg
+        finally:
+            browser.close()
+    if not any(shots.iterdir()):          # nothing failed: nothing to keep
+        shutil.rmtree(shots, ignore_errors=True)
+
+
+def _check(pg, name: str, ok: bool, what: str) -> None:
+    if not ok:
+        path = pg.shots / f"{name}.png"
+        pg.screenshot(path=str(path), full_page=True)
+        pytest.fail(f"{what}; screenshot: {path} (folder {pg.shots})")
+
+
+def test_mlflow_and_prefect_uis_show_the_comparison_and_progress(live_stack, page):
+    parents = []
+    for job, steps in JOBS.items():
+        for step in steps:
+            fr = run_deployment("eval/math500", parameters={"limit": 1, "num_shards": 1, "step": step,
+                                                            "train_run": job, "sampling": {"max_new_tokens": 8}},
+                                timeout=600, poll_interval=2)
+            assert fr.state.is_completed(), fr.state
+            parents.append(fr)
+
+    # MLflow: the training-jobs experiment's chart view, straight from the link evaldag prints
+    exp = MlflowClient().get_experiment_by_name(JOBS_EXPERIMENT)
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    page.goto(charts_url(live_stack.mlflow_url, exp.experiment_id))
+    try:
+        page.get_by_text("math500/accuracy").first.wait_for(timeout=30000)
+        page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length > 0", timeout=30000)
+    except Exception:
+        _check(page, "mlflow-charts", False, "MLflow chart view shows no math500/accuracy chart")
+    series = page.evaluate("""() => {
+        const out = {};
+        for (const el of document.querySelectorAll('.js-plotly-plot'))
+            for (const t of (el.data || [])) if (t.name) (out[t.name] = out[t.name] || []).push(t.x);
+        return out;
+    }""")
+    for job, steps in JOBS.items():
+        _check(page, "mlflow-charts", job in series, f"no series for {job} in the MLflow charts ({sorted(series)})")
+        _check(page, "mlflow-charts", all(sorted(x) == list(steps) for x in series[job]),
+               f"{job}: steps {series[job]} in the charts, expected {list(steps)} in each")
+
+    # Prefect: the last parent flow run, its shard flow run, and the shard's progress artifact
+    parent = parents[-1]
+    shards = _shard_runs(parent.id)
+    assert shards, "the parent flow run started no shard flow runs"
+    page.goto(f"{live_stack.prefect_url}/runs/flow-run/{parent.id}")
+    page.get_by_text(parent.name).first.wait_for(timeout=30000)
+    tab = page.get_by_role("tab", name="Subflow Runs")
+    if tab.count():
+        tab.first.click()
+    try:
+        page.get_by_text(shards[0].name).first.wait_for(timeout=30000)
+    except Exception:
+        _check(page, "prefect-parent", False, f"shard flow run {shards[0].name} not shown on the parent's page")
+    page.goto(f"{live_stack.prefect_url}/runs/flow-run/{shards[0].id}")
+    page.get_by_text(shards[0].name).first.wait_for(timeout=30000)
+    tab = page.get_by_role("tab", name="Artifacts")
+    if tab.count():
+        tab.first.click()
+    try:
+        page.get_by_text("progress-math500-shard-0").first.wait_for(timeout=30000)
+    except Exception:
+        _check(page, "prefect-shard", False, "the shard's progress artifact is not shown on its flow run page")

@@ -1,0 +1,74 @@
+"""MLflow experiments evaldag creates open as model-training experiments, and `evaldag compare --plot` draws the
+jobs side by side; both against a real MLflow tracking store (SQLite, no server needed), runs logged as the track
+stage logs them (tags kind/train_run/benchmark, metrics at step)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from mlflow import MlflowClient
+
+from evaldag import compare, tracking
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def _log_eval(client, exp_id: str, job: str, step: int, acc: float, reward: float) -> None:
+    run = client.create_run(exp_id, run_name=f"{job}@{step}", tags={
+        "kind": "ckpt_eval", "train_run": job, "benchmark": "math500", "step": f"{step:012d}"})
+    for key, value in {"accuracy": acc, "accuracy_ci_low": acc - 0.1, "accuracy_ci_high": acc + 0.1,
+                       "reward/mean": reward, "step": step}.items():
+        client.log_metric(run.info.run_id, key, value, step=step)
+    client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def test_experiments_are_marked_model_training(mlflow_store):
+    client = MlflowClient()
+    older = client.create_experiment(tracking.experiment_name("gsm8k"))     # as an older evaldag left it
+    assert tracking._experiment_id(client, tracking.experiment_name("gsm8k")) == older
+    new = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    tracking.parent_run(client, "job-a")                                    # creates the training-jobs experiment
+    for exp_id in (older, new, client.get_experiment_by_name(tracking.JOBS_EXPERIMENT).experiment_id):
+        assert client.get_experiment(exp_id).tags.get("mlflow.experimentKind") == "custom_model_development"
+
+
+def test_compare_plot_draws_one_line_per_job(mlflow_store, tmp_path):
+    client = MlflowClient()
+    exp_id = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    for step, acc in ((100, 0.2), (200, 0.3), (300, 0.35)):
+        _log_eval(client, exp_id, "job-a", step, acc, acc - 0.05)
+    _log_eval(client, exp_id, "job-b", 200, 0.4, 0.33)
+    _log_eval(client, exp_id, "job-c", 100, 0.9, 0.9)                       # not asked for
+
+    fig = compare.figure(compare.collect(["math500"], ["job-a", "job-b"]))
+    acc_ax, rew_ax = fig.axes[0], fig.axes[1]
+    acc_lines = {line.get_label(): list(line.get_xdata()) for line in acc_ax.get_lines()}
+    assert acc_lines == {"job-a": [100, 200, 300], "job-b": [200]}
+    rewards = {line.get_label(): list(line.get_ydata()) for line in rew_ax.get_lines()}
+    assert rewards["job-a"] == pytest.approx([0.15, 0.25, 0.30]) and rewards["job-b"] == pytest.approx([0.33])
+    assert len(acc_ax.collections) == 2                                     # one interval band per job
+
+    out = tmp_path / "jobs.png"
+    proc = subprocess.run([sys.executable, "-m", "evaldag.cli", "compare", "-b", "math500", "--train-run", "job-a",
+                           "--train-run", "job-b", "--plot", str(out)], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "job-c" not in proc.stdout and "plot written to" in proc.stdout
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(out)
+    assert pixels.shape[0] > 400 and pixels.shape[1] > 400
+    assert pixels.std() > 0.05                                              # not a blank canvas
+
+
+def test_plot_of_nothing_says_what_to_do(mlflow_store):
+    with pytest.raises(ValueError, match="evaldag run"):
+        compare.figure(compare.collect(["math500"], ["nobody"]))
