@@ -8,6 +8,7 @@ torch was never imported there.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -25,10 +26,14 @@ import pytest
 
 from evaldag.config import SamplingConfig
 from evaldag.engines import load_engine
-from evaldag.engines.openai import ServerError, ServerUnavailableError, server_fingerprint, ServerSettings
+from evaldag.engines.openai import ServerError, ServerSettings, ServerUnavailableError, server_fingerprint
 from evaldag.errors import ConfigError
 from evaldag.models import resolve_model
 from conftest import free_ports
+
+if "EVALDAG_VLLM_SERVER_PYTHON" not in os.environ and importlib.util.find_spec("vllm") is None:
+    pytest.skip("the server for these tests is vllm serve from .venv-vllm (make test-vllm), or from the Python "
+                "named by EVALDAG_VLLM_SERVER_PYTHON", allow_module_level=True)
 
 pytestmark = pytest.mark.model
 
