@@ -29,8 +29,26 @@ JOBS = {"browser-job-a": (10, 20, 30), "browser-job-b": (20,)}
 
 
 @pytest.fixture
-def page():
-    """A fresh headless chromium page; screenshots of every page visited are kept when the test fails."""
+def evaluated(live_stack):
+    """The evaluations, and what the checks need from Prefect and MLflow, before the browser starts (Playwright's
+    sync API runs an event loop, inside which Prefect's sync calls would hand back coroutines)."""
+    parents = []
+    for job, steps in JOBS.items():
+        for step in steps:
+            fr = run_deployment("eval/math500", parameters={"limit": 1, "num_shards": 1, "step": step,
+                                                            "train_run": job, "sampling": {"max_new_tokens": 8}},
+                                timeout=600, poll_interval=2)
+            assert fr.state.is_completed(), fr.state
+            parents.append(fr)
+    shards = _shard_runs(parents[-1].id)
+    assert shards, "the parent flow run started no shard flow runs"
+    exp = MlflowClient().get_experiment_by_name(JOBS_EXPERIMENT)
+    return parents[-1], shards, exp
+
+
+@pytest.fixture
+def page(evaluated):
+    """A fresh headless chromium page; a failed check saves a screenshot and names the folder."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
     if not Path(CHROMIUM).is_file():
         pytest.skip(f"{CHROMIUM} missing: apt-get install -y chromium")
@@ -47,6 +65,14 @@ def page():
         shutil.rmtree(shots, ignore_errors=True)
 
 
+def _see(pg, name: str, text: str, what: str) -> None:
+    """Wait for `text` on the page; a screenshot and a clear failure when it never shows."""
+    try:
+        pg.get_by_text(text).first.wait_for(timeout=30000)
+    except Exception:
+        _check(pg, name, False, what)
+
+
 def _check(pg, name: str, ok: bool, what: str) -> None:
     if not ok:
         path = pg.shots / f"{name}.png"
@@ -54,25 +80,17 @@ def _check(pg, name: str, ok: bool, what: str) -> None:
         pytest.fail(f"{what}; screenshot: {path} (folder {pg.shots})")
 
 
-def test_mlflow_and_prefect_uis_show_the_comparison_and_progress(live_stack, page):
-    parents = []
-    for job, steps in JOBS.items():
-        for step in steps:
-            fr = run_deployment("eval/math500", parameters={"limit": 1, "num_shards": 1, "step": step,
-                                                            "train_run": job, "sampling": {"max_new_tokens": 8}},
-                                timeout=600, poll_interval=2)
-            assert fr.state.is_completed(), fr.state
-            parents.append(fr)
+def test_mlflow_and_prefect_uis_show_the_comparison_and_progress(live_stack, evaluated, page):
+    parent, shards, exp = evaluated
 
     # MLflow: the training-jobs experiment's chart view, straight from the link evaldag prints
-    exp = MlflowClient().get_experiment_by_name(JOBS_EXPERIMENT)
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
     page.goto(charts_url(live_stack.mlflow_url, exp.experiment_id))
+    _see(page, "mlflow-charts", "math500/accuracy", "MLflow chart view shows no math500/accuracy chart")
     try:
-        page.get_by_text("math500/accuracy").first.wait_for(timeout=30000)
         page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length > 0", timeout=30000)
     except Exception:
-        _check(page, "mlflow-charts", False, "MLflow chart view shows no math500/accuracy chart")
+        _check(page, "mlflow-charts", False, "MLflow chart view draws no chart")
     series = page.evaluate("""() => {
         const out = {};
         for (const el of document.querySelectorAll('.js-plotly-plot'))
@@ -85,24 +103,16 @@ def test_mlflow_and_prefect_uis_show_the_comparison_and_progress(live_stack, pag
                f"{job}: steps {series[job]} in the charts, expected {list(steps)} in each")
 
     # Prefect: the last parent flow run, its shard flow run, and the shard's progress artifact
-    parent = parents[-1]
-    shards = _shard_runs(parent.id)
-    assert shards, "the parent flow run started no shard flow runs"
     page.goto(f"{live_stack.prefect_url}/runs/flow-run/{parent.id}")
-    page.get_by_text(parent.name).first.wait_for(timeout=30000)
+    _see(page, "prefect-parent", parent.name, f"the parent flow run {parent.name} not shown")
     tab = page.get_by_role("tab", name="Subflow Runs")
     if tab.count():
         tab.first.click()
-    try:
-        page.get_by_text(shards[0].name).first.wait_for(timeout=30000)
-    except Exception:
-        _check(page, "prefect-parent", False, f"shard flow run {shards[0].name} not shown on the parent's page")
+    _see(page, "prefect-parent", shards[0].name, f"shard flow run {shards[0].name} not shown on the parent's page")
     page.goto(f"{live_stack.prefect_url}/runs/flow-run/{shards[0].id}")
-    page.get_by_text(shards[0].name).first.wait_for(timeout=30000)
+    _see(page, "prefect-shard", shards[0].name, f"shard flow run {shards[0].name} has no page")
     tab = page.get_by_role("tab", name="Artifacts")
     if tab.count():
         tab.first.click()
-    try:
-        page.get_by_text("progress-math500-shard-0").first.wait_for(timeout=30000)
-    except Exception:
-        _check(page, "prefect-shard", False, "the shard's progress artifact is not shown on its flow run page")
+    _see(page, "prefect-shard", "progress-math500-shard-0",
+         "the shard's progress artifact is not shown on its flow run page")
