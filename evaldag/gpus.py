@@ -20,6 +20,7 @@ from evaldag.errors import ConfigError
 GPU_LIMIT = "evaldag-gpus"          # Prefect global concurrency limit: one slot per GPU of the `gpu` pool
 TP_ARG = "tensor_parallel_size"     # engine_args key of the vllm engine: GPUs one model instance spans
 TP_ENGINES = ("vllm",)              # engines that read TP_ARG; every other engine runs a shard on one GPU
+SERVED_ENGINES = ("openai",)        # engines whose model runs on a server elsewhere: a shard holds no local GPU
 
 
 def parse_gpu_ids(text: str | None) -> tuple[str, ...] | None:
@@ -73,9 +74,12 @@ def detect_gpu_ids(environ: Mapping[str, str] | None = None) -> tuple[str, ...] 
 
 def shard_gpus(model: Any) -> int:
     """GPUs one shard of `model` (a ResolvedModel or its dict) occupies: engine_args["tensor_parallel_size"] for
-    the vllm engine (default 1); 1 for every other engine, which loads a model on one device."""
+    the vllm engine (default 1); 0 for a served model (the openai engine); 1 for every other engine, which loads a
+    model on one device."""
     engine = model["engine"] if isinstance(model, Mapping) else model.engine
     args = (model.get("engine_args") if isinstance(model, Mapping) else model.engine_args) or {}
+    if engine in SERVED_ENGINES:
+        return 0
     if engine not in TP_ENGINES:
         return 1
     tp = args.get(TP_ARG, 1)

@@ -186,7 +186,8 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     data = load_benchmark_rows(bench, request.limit)
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
-    slots = max(1, gpu_slots // shard_gpus(model))
+    per_shard = shard_gpus(model)       # 0 for a served model: its shards hold no gpu slot
+    slots = max(1, gpu_slots // per_shard if per_shard else gpu_slots)
     num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards)
     shards = plan_shards(data.inputs, num_shards)
     pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)

@@ -90,6 +90,7 @@ def test_shard_gpus():
     assert shard_gpus(_model("vllm")) == 1
     assert shard_gpus(_model("vllm", tensor_parallel_size=4, gpu_memory_utilization=0.9)) == 4
     assert shard_gpus(_model("hf", tensor_parallel_size=4)) == 1  # only vllm spans GPUs
+    assert shard_gpus(_model("openai")) == 0                      # a served model holds no local GPU
     assert shard_gpus({"engine": "vllm", "engine_args": {"tensor_parallel_size": 2}}) == 2
     assert shard_gpus({"engine": "vllm", "engine_args": None}) == 1
     for bad in (0, -2, "2", 1.5, True):
