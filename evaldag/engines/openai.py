@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import httpx
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, Progress, batches_by_length, generate_in_batches
+from evaldag.engines.base import Completion, Progress, batches_by_length, batches_one_by_one, generate_in_batches
 from evaldag.engines.vllm import sample_seed
 from evaldag.errors import ConfigError, EvalDagError
 
@@ -326,6 +326,11 @@ class OpenAIEngine:
         for fut, (i, k) in futures.items():
             out[i][k] = fut.result()
         return out  # type: ignore[return-value]
+
+    def generate_batches(self, batches, sampling):
+        """One batch after another (see Engine.generate_batches): the requests of a batch already run `concurrency`
+        at a time, and the server batches them with whatever else it serves."""
+        return batches_one_by_one(self, batches, sampling)
 
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]:
