@@ -222,7 +222,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         "dataset_hash": plan.dataset_hash,
         "prefect.flow_run_id": flow_run_id or "",
         "kind": "ckpt_eval",
-        "evaldag.settings_key": request_settings_key(plan.request),   # the sweeper's "evaluated with these settings"
+        "evaldag.settings_key": request_settings_key(plan.request, plan.benchmark.sampling),   # the sweeper's "evaluated with these settings"
         COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
     }
 

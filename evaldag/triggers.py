@@ -38,11 +38,13 @@ OUTPUT_SETTINGS = ("limit", "num_shards", "sampling", "pass_k", "reference", "en
 NOT_OUTPUT = ("mlflow_parent_run_id", "dispatch")
 
 
-def output_settings(benchmark: str, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
+                    default_sampling: Any = None) -> dict[str, Any]:
     """The settings among `overrides` that change an evaluation's result, in one canonical form: unset (None) ones
-    dropped, sampling completed with the benchmark's defaults (so `{"temperature": 0}` on a greedy benchmark is the
-    same request as no override), pass_k sorted and deduplicated. Overrides the config rejects are kept as given:
-    the evaluation flow reports them, a key must not fail first."""
+    dropped, sampling completed with the benchmark's defaults (`default_sampling`, else the benchmark config's now;
+    so `{"temperature": 0}` on a greedy benchmark is the same request as no override), pass_k sorted and
+    deduplicated. Overrides the config rejects are kept as given: the evaluation flow reports them, a key must not
+    fail first."""
     out = {k: overrides[k] for k in OUTPUT_SETTINGS if overrides and overrides.get(k) is not None}
     if isinstance(out.get("pass_k"), list):
         try:
@@ -52,21 +54,23 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None) -> dict
     try:
         from evaldag.config import load_benchmark, merge_sampling
 
-        out["sampling"] = merge_sampling(load_benchmark(benchmark).sampling, out.get("sampling")).model_dump()
+        base = default_sampling if default_sampling is not None else load_benchmark(benchmark).sampling
+        out["sampling"] = merge_sampling(base, out.get("sampling")).model_dump()
     except Exception:  # an unknown benchmark or invalid sampling: the flow names the problem
         pass
     return out
 
 
-def settings_key(benchmark: str, overrides: Mapping[str, Any] | None) -> str:
+def settings_key(benchmark: str, overrides: Mapping[str, Any] | None, default_sampling: Any = None) -> str:
     """16 hex digits identifying the output settings of a request (see `output_settings`)."""
-    blob = json.dumps(output_settings(benchmark, overrides), sort_keys=True, default=str)
+    blob = json.dumps(output_settings(benchmark, overrides, default_sampling), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def request_settings_key(request: Any) -> str:
-    """`settings_key` of an EvalRequest (what track() tags the MLflow run with, for the sweeper to find)."""
-    return settings_key(request.benchmark, {k: getattr(request, k) for k in OUTPUT_SETTINGS})
+def request_settings_key(request: Any, default_sampling: Any = None) -> str:
+    """`settings_key` of an EvalRequest (what track() tags the MLflow run with, for the sweeper to find), with the
+    benchmark's sampling defaults as resolved (`default_sampling`, the plan's benchmark config)."""
+    return settings_key(request.benchmark, {k: getattr(request, k) for k in OUTPUT_SETTINGS}, default_sampling)
 
 
 def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], checkpoint: str | Path,
