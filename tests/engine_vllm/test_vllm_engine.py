@@ -34,6 +34,9 @@ def model_path():
 
 @pytest.fixture(scope="module")
 def engine(model_path):
+    # flask loaded first, as in a pytest session that has started MLflow's server code: its LocalProxy globals
+    # broke vLLM's start (RuntimeError "Working outside of application context") until the engine hid them.
+    import flask  # noqa: F401
     eng = load_engine("vllm", model_path, "bfloat16", batch_size=4)
     yield eng
     eng.close()
