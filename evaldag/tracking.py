@@ -166,7 +166,16 @@ def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
 
 
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None) -> TrackedRun:
-    """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet; get-or-create by eval_key."""
+    """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet; get-or-create by eval_key.
+
+    Two identical evaluations finishing at once would both find no run and both create one, so the whole
+    get-or-create-and-log holds the evaluation's lock (store.lock): the second waits, then finds the first's
+    finished run."""
+    with store.lock(plan.path("mlflow-run")):
+        return _track(plan, metrics, flow_run_id)
+
+
+def _track(plan: EvalPlan, metrics: dict, flow_run_id: str | None) -> TrackedRun:
     client = _client()
     name = experiment_name(plan.benchmark.name)
     exp_id = _experiment_id(client, name)
