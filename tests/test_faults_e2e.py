@@ -1,4 +1,5 @@
-"""Faults against the real stack: the MLflow server is down while an evaluation tracks its results."""
+"""Faults against the real stack: the MLflow server down or hung while an evaluation tracks its results, a shard
+killed mid-generation, injected transient errors, two identical evaluations at once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -77,6 +79,52 @@ def test_mlflow_down_during_tracking_then_back_and_sync(live_stack):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [again] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'mlflow-outage'")
     assert again.info.run_id != run.info.run_id and again.data.metrics["n_samples"] == 2
+
+
+# A hung MLflow server must cost a track attempt at most this long: the stack gives MLflow's client a 30 s request
+# timeout and 2 retries (measured: 95 s). MLflow's own defaults (120 s, 7 retries) would hold the parent flow run for about
+# 16 minutes per attempt, over an hour across the track task's retries.
+HUNG_ATTEMPT_MAX_S = 150
+
+
+def _track_states(task_run_id) -> list:
+    async def go():
+        async with get_client() as client:
+            return await client.read_task_run_states(task_run_id)
+    return asyncio.run(go())
+
+
+def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
+    """SIGSTOP, not SIGTERM: the server's socket still accepts connections and nothing answers, the way a wedged
+    server or a dead network path looks. The track attempt must give up on a timeout within HUNG_ATTEMPT_MAX_S,
+    and the retry after the server resumes must log the evaluation once."""
+    [mlflow_server] = [s for s in live_stack.status() if s.component == MLFLOW_SERVER]
+    group = os.getpgid(mlflow_server.pid)        # the server leads its own group (its uvicorn worker is in it)
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        fr = run_deployment("eval/math500", timeout=0, parameters={
+            "limit": 2, "num_shards": 1, "step": 78, "train_run": "mlflow-hung", "sampling": {"max_new_tokens": 16}})
+        [track] = _wait(lambda: [t for t in _track_attempts(fr.id) if t.state and t.state.name == "Running"],
+                        timeout=600)
+        started = time.time()
+        _wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
+                          for t in _track_attempts(fr.id)), timeout=HUNG_ATTEMPT_MAX_S + 30)
+        print(f"a hung MLflow server cost the track attempt about {time.time() - started:.0f} s")
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    states = _track_states(track.id)
+    running = next(s for s in states if s.name == "Running")
+    failed = next(s for s in states if s.name in ("AwaitingRetry", "Retrying") and s.timestamp > running.timestamp)
+    attempt_s = (failed.timestamp - running.timestamp).total_seconds()
+    # at least one request timeout: the client waited on a silent server (a refused connection fails in a second)
+    assert 30 <= attempt_s < HUNG_ATTEMPT_MAX_S, attempt_s
+    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=600)
+    assert state.is_completed(), state.message
+    assert max(t.run_count for t in _track_attempts(fr.id)) >= 2
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'mlflow-hung'")
+    assert run.info.status == "FINISHED" and run.data.metrics["n_samples"] == 2
 
 
 def _children(parent_id) -> list:

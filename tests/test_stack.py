@@ -93,6 +93,26 @@ def test_settings_from_env_and_gpu_pinning(monkeypatch, tmp_path):
         StackSettings.from_env()
 
 
+def test_busy_server_answers_are_retried():
+    """503 is Prefect's "SQLite busy, retry" (e.g. just after a restart): the stack's own API calls re-send."""
+    from evaldag.stack import _RetryBusy
+
+    answers = [503, 503, 200]
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.content)
+        return httpx.Response(answers.pop(0))
+
+    with httpx.Client(base_url="http://x", transport=_RetryBusy(httpx.MockTransport(handler), delays=(0, 0, 0))) as c:
+        assert c.post("/v2/concurrency_limits/", json={"limit": 2}).status_code == 200
+    assert seen == [b'{"limit":2}'] * 3                       # the same body each time
+    answers[:] = [503] * 4
+    with httpx.Client(base_url="http://x", transport=_RetryBusy(httpx.MockTransport(handler), delays=(0, 0, 0))) as c:
+        assert c.get("/health").status_code == 503            # gives up after its delays, with the last answer
+    assert answers == []
+
+
 def _pids(st: Stack) -> dict[str, int]:
     return {row.component: row.pid for row in st.status()}
 
@@ -178,6 +198,24 @@ def test_dead_worker_is_restarted(stack):
     after = _pids(stack)
     assert after[GPU_WORKER] != before[GPU_WORKER]
     assert {k: v for k, v in after.items() if k != GPU_WORKER} == {k: v for k, v in before.items() if k != GPU_WORKER}
+    assert all(r.healthy for r in stack.status())
+
+
+def test_server_that_does_not_answer_is_replaced(stack):
+    """A server process that is alive but does not answer (here hung: SIGSTOP; also one still shutting down after
+    a restart began) is not "kept": `up` replaces it and waits until the new one is healthy."""
+    before = _pids(stack)
+    os.killpg(before[MLFLOW_SERVER], signal.SIGSTOP)
+    try:
+        report = stack.up(deploy=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(before[MLFLOW_SERVER], signal.SIGCONT)
+    assert report.started == [MLFLOW_SERVER]
+    after = _pids(stack)
+    assert after[MLFLOW_SERVER] != before[MLFLOW_SERVER] and not psutil.pid_exists(before[MLFLOW_SERVER])
+    assert {k: v for k, v in after.items() if k != MLFLOW_SERVER} == \
+        {k: v for k, v in before.items() if k != MLFLOW_SERVER}
     assert all(r.healthy for r in stack.status())
 
 
