@@ -338,7 +338,11 @@ def test_down_leaves_nothing(stack, tmp_path):
     subprocess.run([sys.executable, "-c", START_RUN, str(tmp_path)], env=env, check=True, timeout=120,
                    capture_output=True)
     runs = _flow_run_processes(state["stack_id"])
-    assert runs and all(os.getsid(p.pid) != os.getsid(stack.status()[2].pid) for p in runs)
+    # the gpu worker (sleepy's pool) started the run, in a session and process group of the run's own
+    gpu_worker = psutil.Process(_pids(stack)[GPU_WORKER])
+    assert runs and {p.pid for p in runs} <= {c.pid for c in gpu_worker.children(recursive=True)}
+    for p in runs:
+        assert os.getpgid(p.pid) != os.getpgid(gpu_worker.pid) and os.getsid(p.pid) != os.getsid(gpu_worker.pid)
 
     t0 = time.monotonic()
     stopped = stack.down()
