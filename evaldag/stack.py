@@ -17,10 +17,11 @@ Everything lives under one state directory, `evaldag.paths.home()`:
     <home>/stack/state.json  what `up` started: pid + process create time (so a recycled pid is never ours), URLs
     evaldag.postgres.default_dir(home)   the private PostgreSQL cluster, when asked for (`--postgres`)
 
-`Stack.up()` is idempotent: a component that is alive, ours and configured as asked is left alone; a dead one, or
-one started with another configuration, is (re)started. `Stack.down()` stops workers first, then the servers, and
-kills whole process groups plus every process that carries this stack's `EVALDAG_STACK_ID` (flow runs spawned by a
-worker run in their own sessions, so a process-group kill alone would miss them).
+`Stack.up()` is idempotent: a component that is alive, ours and configured as asked is left alone; a dead one, a
+server that does not answer (stopping, or hung), or one started with another configuration, is (re)started.
+`Stack.down()` stops workers first, then the servers, and kills whole process groups plus every process that carries
+this stack's `EVALDAG_STACK_ID` (flow runs spawned by a worker run in their own sessions, so a process-group kill
+alone would miss them).
 
 Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5, 5.2):
 - a worker whose SIGINT is inherited as ignored never stops on SIGTERM, so children get SIGINT reset to default;
@@ -282,6 +283,27 @@ _MLFLOW_ALLOWED_HOSTS = ("localhost,127.0.0.1,[::1],0.0.0.0,localhost:*,127.0.0.
                          "10.*," + ",".join(f"172.{i}.*" for i in range(16, 32)) + ",fc00:*,fd00:*")
 
 
+class _RetryBusy(httpx.BaseTransport):
+    """Re-sends a request the Prefect server answered 503, which it does for SQLite busy/locked and tells clients to
+    retry: right after a (re)start its own services hold the database for a moment, and `up` must not fail then."""
+
+    def __init__(self, inner: httpx.BaseTransport | None = None, delays: tuple[float, ...] = (0.2, 0.5, 1, 2, 4, 8)):
+        self.inner = inner or httpx.HTTPTransport()
+        self.delays = delays
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for delay in self.delays:
+            response = self.inner.handle_request(request)
+            if response.status_code != 503:
+                return response
+            response.close()
+            time.sleep(delay)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def _reset_sigint() -> None:  # runs in the child between fork and exec
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
@@ -331,7 +353,10 @@ class Stack:
             to_stop = []
             for name, rec in list(comps.items()):
                 alive = self._alive(rec)
-                if alive and name in specs and rec.get("key") == specs[name].key:
+                # a server that runs but does not answer is shutting down (a restart caught midway) or hung:
+                # keeping it would fail below when it exits, or never turn healthy, so it is replaced
+                answering = rec["kind"] != "server" or (alive and self._server_healthy(name, rec["url"]))
+                if alive and answering and name in specs and rec.get("key") == specs[name].key:
                     report.kept.append(name)
                     continue
                 if alive:
@@ -819,7 +844,7 @@ class Stack:
     def _ensure_pools(self) -> None:
         """Create the process work pools `cpu` and `gpu` if missing (with Prefect's default process job template)."""
         api = self.settings.prefect_api_url
-        with httpx.Client(base_url=api, timeout=30) as client:
+        with httpx.Client(base_url=api, timeout=30, transport=_RetryBusy()) as client:
             for pool in POOLS:
                 r = client.get(f"/work_pools/{pool}")
                 if r.status_code == 200:
@@ -846,7 +871,7 @@ class Stack:
         body: dict[str, Any] = {"limit": n, "active": n > 0}
         if reset_slots:
             body.update(active_slots=0, denied_slots=0)
-        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30) as client:
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, transport=_RetryBusy()) as client:
             r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
             if r.status_code == 404:
                 r = client.post("/v2/concurrency_limits/", json={"name": GPU_LIMIT, **body})

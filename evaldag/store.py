@@ -10,9 +10,11 @@ replaces an object whole. So a reader never sees half a file, and a stage that f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -27,6 +29,7 @@ from evaldag import paths
 from evaldag.errors import ConfigError
 
 StorePath = UPath
+log = logging.getLogger("evaldag")
 
 
 def root(env: Mapping[str, str] | None = None, home: Path | None = None) -> UPath:
@@ -100,24 +103,48 @@ def remove_tree(path: UPath) -> None:
         path.fs.rm(path.path, recursive=True)
 
 
+@functools.cache
+def _waiting_lock_class() -> type:
+    from filelock import FileLock, Timeout
+
+    class WaitingFileLock(FileLock):
+        """A FileLock whose `with` says so when another process holds it, so a shard that sits idle in the logs
+        says why: it waits for an identical evaluation's stage instead of computing it again."""
+
+        target = ""
+
+        def __enter__(self):
+            try:
+                self.acquire(blocking=False)
+            except Timeout:
+                log.info("%s is being written by another process (an identical evaluation): waiting for it",
+                         self.target or self.lock_file)
+                self.acquire()
+            return self
+
+    return WaitingFileLock
+
+
 def lock(path: UPath):
     """An exclusive lock for computing `path`: two identical evaluations running at once compute it once (the
-    second waits, then finds the file).
+    second waits, logging that it does, then finds the file).
 
     A local or shared POSIX store gets a lock file beside the output, which holds across processes and machines
     that mount it. Object stores have no locks; their lock lives in `<home>/locks` and so holds between the
     processes of one machine only. Across machines, Prefect's idempotency keys keep identical evaluations apart,
     and if two still race they write identical, atomically replaced objects.
     """
-    from filelock import FileLock
-
+    cls = _waiting_lock_class()
     if is_local(path):
         local = Path(str(path).removeprefix("file://"))
         local.parent.mkdir(parents=True, exist_ok=True)
-        return FileLock(str(local) + ".lock")
-    folder = paths.home() / "locks"
-    folder.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(folder / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".lock")))
+        file_lock = cls(str(local) + ".lock")
+    else:
+        folder = paths.home() / "locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        file_lock = cls(str(folder / (hashlib.sha256(str(path).encode()).hexdigest()[:32] + ".lock")))
+    file_lock.target = str(path)
+    return file_lock
 
 
 @contextmanager

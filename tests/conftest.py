@@ -106,3 +106,35 @@ def live_stack():
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+# What the marks promise (README, Tests): `-m "not stack"` starts no stack, `-m "not stack and not model"` loads no
+# model either. Both are enforced, so a new test cannot quietly make the fast subset slow.
+_STACK_FIXTURES = {"live_stack", "stack"}   # conftest's session stack, test_stack.py's module stack
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [item.nodeid for item in items if item.get_closest_marker("stack") is None
+                and _STACK_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if unmarked:
+        raise pytest.UsageError("these tests start the real stack but are not marked `stack`; add @pytest.mark.stack "
+                                "so that `-m \"not stack\"` stays fast: " + ", ".join(unmarked))
+
+
+@pytest.fixture(autouse=True)
+def _model_needs_its_mark(request, monkeypatch):
+    """A test without the `model` mark that loads a checkpoint through evaldag.engines.load_engine (the path every
+    stage takes) fails, naming the mark; tests that swap in a stand-in engine patch over this."""
+    if request.node.get_closest_marker("model") is not None:
+        return
+    from evaldag import engines
+
+    real = engines.load_engine
+
+    def guarded(name, model_path, *args, **kwargs):
+        if Path(model_path).is_dir():
+            pytest.fail(f"{request.node.nodeid} loads the model in {model_path} but is not marked `model`; add "
+                        "@pytest.mark.model", pytrace=False)
+        return real(name, model_path, *args, **kwargs)
+
+    monkeypatch.setattr(engines, "load_engine", guarded)

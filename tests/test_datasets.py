@@ -19,11 +19,24 @@ def test_mirror_loads_with_unique_ids_and_gradeable_golds(name):
     assert data.inputs["sample_id"].n_unique() == data.inputs.height
     assert len(data.dataset_hash) == 64
     assert data.inputs["prompt"].str.contains("boxed").all()
-    # each gold must be gradeable: the gold itself, boxed, is graded correct against itself
-    items = [(f"The answer is $\\boxed{{{g}}}$", g, "stop") for g in data.inputs["gold"]]
+    # each gold must be gradeable: the gold itself, boxed, is graded correct against itself ...
+    golds = data.inputs["gold"].to_list()
+    items = [(f"The answer is $\\boxed{{{g}}}$", g, "stop") for g in golds]
     grades = grade_many(items, timeout_s=20, workers=2)
-    bad = [(g, r.status) for g, r in zip(data.inputs["gold"], grades) if r.status != "correct"]
+    bad = [(g, r.status) for g, r in zip(golds, grades) if r.status != "correct"]
     assert bad == []
+    # ... and discriminating: the next problem's gold is graded wrong against it (a grader, or a gold normalisation,
+    # that calls everything correct fails here). Pairs with the same gold are skipped: they are rightly correct.
+    others = golds[1:] + golds[:1]
+    pairs = [(g, o) for g, o in zip(golds, others) if g != o]
+    assert len(pairs) >= 0.8 * len(golds)
+    grades = grade_many([(f"The answer is $\\boxed{{{o}}}$", g, "stop") for g, o in pairs], timeout_s=20, workers=2)
+    accepted = {(g, o) for (g, o), r in zip(pairs, grades) if r.status != "wrong"}
+    assert accepted == EQUIVALENT_NEIGHBOURS.get(name, set())
+
+
+# Neighbouring golds that are mathematically the same answer: an equation `x=5` answers a problem whose gold is 5.
+EQUIVALENT_NEIGHBOURS = {"math500": {("5", "x=5")}}
 
 
 def test_breakdown_fields_only_where_the_data_has_them():

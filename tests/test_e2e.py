@@ -218,12 +218,39 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
     assert "cannot start eval/math5000" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack):
-    """n=4 sampled completions give pass@k/maj@k for k = 1, 2, 4; a reference model gives KL estimates (the model
-    against itself: exactly 0, which checks that both scoring passes see the same tokens)."""
+@pytest.fixture(scope="module")
+def perturbed_reference(tmp_path_factory) -> Path:
+    """A different checkpoint to measure KL against: the default model with its final norm scaled by 0.7, so the
+    reference's logits are the policy's times 0.7 (the policy at temperature ~1.4). Same tokenizer, new weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from evaldag.models import resolve_model
+
+    src = Path(resolve_model("smollm2-135m-instruct").path)
+    dst = tmp_path_factory.mktemp("reference")
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())    # copies: the source folder's files are hard-linked elsewhere
+    weights = load_file(src / "model.safetensors")
+    weights["model.norm.weight"] = (weights["model.norm.weight"].float() * 0.7).to(torch.bfloat16)
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
+    """n=4 sampled completions give pass@k/maj@k for k = 1, 2, 4; a different reference checkpoint gives KL > 0,
+    and the logged estimates are exactly what the scored log-probs of both models give."""
+    import numpy as np
+
+    from evaldag import store
+    from evaldag.kl import per_sample_kl
+    from evaldag.plan import load_plan
+    from evaldag.schema import LOGPROB_SCHEMA, read_table
+
     params = {"limit": 3, "num_shards": 1, "step": 55, "train_run": "kl-check",
               "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 1},
-              "reference": "smollm2-135m-instruct"}
+              "reference": str(perturbed_reference)}
     fr = _run(params)
     assert fr.state.is_completed(), fr.state.message
     client = MlflowClient()
@@ -234,12 +261,35 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack):
     assert m["pass_at_1"] <= m["pass_at_2"] <= m["pass_at_4"]
     for k in (1, 2, 4):
         assert f"maj_at_{k}" in m and m[f"pass_at_{k}_ci_low"] <= m[f"pass_at_{k}"] <= m[f"pass_at_{k}_ci_high"]
-    assert m["kl/k1/token_mean"] == pytest.approx(0.0, abs=1e-9)
-    assert m["kl/k3/token_mean"] == pytest.approx(0.0, abs=1e-9)
-    assert m["kl/exact/token_mean"] == pytest.approx(0.0, abs=1e-9)          # hf engine: exact KL too
     samples = load_samples(run.info.run_id)
     assert sorted(samples["sample_index"].unique()) == [0, 1, 2, 3]
     assert len(set(samples.filter(pl.col("sample_id") == samples["sample_id"][0])["completion"])) > 1
+
+    # KL: the reference really was the other checkpoint and was really scored
+    assert run.data.params["reference"] == str(perturbed_reference)
+    plan = load_plan(store.root() / "math500" / run.data.tags["eval_key"][:24] / "plan.json")
+    logprobs = read_table(plan.logprobs_path(0), LOGPROB_SCHEMA)
+    assert logprobs.height == 12
+    logp = np.concatenate(logprobs["logp"].to_list())
+    ref = np.concatenate(logprobs["ref_logp"].to_list())
+    assert len(logp) == samples["completion_tokens"].sum()          # every generated token scored by both models
+    assert (logp <= 0).all() and (ref <= 0).all()
+    assert np.mean(np.abs(logp - ref) > 1e-3) > 0.5                 # two different models, not one scored twice
+    r = ref - logp
+    # the logged estimates are these log-probs' estimates (k1 = -r, k2 = r^2 / 2, k3 = e^r - 1 - r per token) ...
+    assert m["kl/k1/token_mean"] == pytest.approx(np.mean(-r), rel=1e-6)
+    assert m["kl/k2/token_mean"] == pytest.approx(np.mean(r * r / 2), rel=1e-6)
+    assert m["kl/k3/token_mean"] == pytest.approx(np.mean(np.expm1(r) - r), rel=1e-6)
+    per = per_sample_kl(logprobs)
+    for k in ("k1", "k2", "k3"):
+        assert m[f"kl/{k}/sample_sum_mean"] == pytest.approx(per[f"kl_{k}_sum"].mean(), rel=1e-6)
+        assert m[f"kl/{k}/sample_sum_mean"] == pytest.approx(m[f"kl/{k}/token_mean"] * len(r) / 12, rel=1e-6)
+    # ... KL > 0 by every estimator, k2 and k3 are non-negative token by token while k1 is not
+    print("KL to the perturbed reference per token: " + ", ".join(f"{k} {m[f'kl/{k}/token_mean']:.4f}"
+                                                                  for k in ("k1", "k2", "k3")))
+    assert m["kl/k1/token_mean"] > 0.01 and m["kl/k2/token_mean"] > 0.01 and m["kl/k3/token_mean"] > 0.01
+    assert (r * r / 2 >= 0).all() and (np.expm1(r) - r >= -1e-12).all() and (-r < 0).any()
+    assert m["kl/exact/token_mean"] > 0.01                  # hf engine: the exact KL over the whole vocabulary too
 
 
 def test_compare_shows_checkpoints_by_benchmark(live_stack):

@@ -1,4 +1,5 @@
-"""The transformers engine on the real default model: token counts, finish reasons, order, seeded sampling."""
+"""The transformers engine on the real default model: token counts, finish reasons, order, seeded sampling; and its
+argument checks, which refuse bad input before any model loads (no `model` mark)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ from evaldag.config import SamplingConfig
 from evaldag.engines import load_engine
 from evaldag.errors import ConfigError
 from evaldag.models import resolve_model
-
-pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +24,7 @@ PROMPTS = ["What is 2+3? Put the final answer in \\boxed{}.",
            "Say OK."]
 
 
+@pytest.mark.model
 def test_greedy_shapes_order_and_finish_reasons(engine):
     out = engine.generate(PROMPTS, SamplingConfig(max_new_tokens=12))
     assert [len(c) for c in out] == [1, 1, 1]
@@ -39,6 +39,7 @@ def test_greedy_shapes_order_and_finish_reasons(engine):
     assert [c[0].text for c in reversed(again)] == [c.text for c in comps]
 
 
+@pytest.mark.model
 def test_sampling_n_is_seeded(engine):
     s = SamplingConfig(n=3, temperature=1.0, top_p=0.95, max_new_tokens=10, seed=7)
     a = engine.generate(PROMPTS[:1], s)

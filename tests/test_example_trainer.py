@@ -191,8 +191,7 @@ def test_solution_format_matches_the_graded_answer():
     assert train_sft.format_solution("#### 1,000") == "\\boxed{1000}"
 
 
-@pytest.mark.model
-def test_prompt_is_masked_and_answer_is_learnt():
+def test_prompt_is_masked_and_answer_is_learnt():    # the model's tokenizer only: no `model` mark
     from transformers import AutoTokenizer
 
     from evaldag.config import load_benchmark

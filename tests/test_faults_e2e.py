@@ -1,10 +1,13 @@
-"""Faults against the real stack: the MLflow server is down while an evaluation tracks its results."""
+"""Faults against the real stack: the MLflow server down or hung while an evaluation tracks its results, a shard
+killed mid-generation, injected transient errors, two identical evaluations at once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,6 +79,52 @@ def test_mlflow_down_during_tracking_then_back_and_sync(live_stack):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [again] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'mlflow-outage'")
     assert again.info.run_id != run.info.run_id and again.data.metrics["n_samples"] == 2
+
+
+# A hung MLflow server must cost a track attempt at most this long: the stack gives MLflow's client a 30 s request
+# timeout and 2 retries (measured: 95 s). MLflow's own defaults (120 s, 7 retries) would hold the parent flow run for about
+# 16 minutes per attempt, over an hour across the track task's retries.
+HUNG_ATTEMPT_MAX_S = 150
+
+
+def _track_states(task_run_id) -> list:
+    async def go():
+        async with get_client() as client:
+            return await client.read_task_run_states(task_run_id)
+    return asyncio.run(go())
+
+
+def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
+    """SIGSTOP, not SIGTERM: the server's socket still accepts connections and nothing answers, the way a wedged
+    server or a dead network path looks. The track attempt must give up on a timeout within HUNG_ATTEMPT_MAX_S,
+    and the retry after the server resumes must log the evaluation once."""
+    [mlflow_server] = [s for s in live_stack.status() if s.component == MLFLOW_SERVER]
+    group = os.getpgid(mlflow_server.pid)        # the server leads its own group (its uvicorn worker is in it)
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        fr = run_deployment("eval/math500", timeout=0, parameters={
+            "limit": 2, "num_shards": 1, "step": 78, "train_run": "mlflow-hung", "sampling": {"max_new_tokens": 16}})
+        [track] = _wait(lambda: [t for t in _track_attempts(fr.id) if t.state and t.state.name == "Running"],
+                        timeout=600)
+        started = time.time()
+        _wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
+                          for t in _track_attempts(fr.id)), timeout=HUNG_ATTEMPT_MAX_S + 30)
+        print(f"a hung MLflow server cost the track attempt about {time.time() - started:.0f} s")
+    finally:
+        os.killpg(group, signal.SIGCONT)
+    states = _track_states(track.id)
+    running = next(s for s in states if s.name == "Running")
+    failed = next(s for s in states if s.name in ("AwaitingRetry", "Retrying") and s.timestamp > running.timestamp)
+    attempt_s = (failed.timestamp - running.timestamp).total_seconds()
+    # at least one request timeout: the client waited on a silent server (a refused connection fails in a second)
+    assert 30 <= attempt_s < HUNG_ATTEMPT_MAX_S, attempt_s
+    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=600)
+    assert state.is_completed(), state.message
+    assert max(t.run_count for t in _track_attempts(fr.id)) >= 2
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'mlflow-hung'")
+    assert run.info.status == "FINISHED" and run.data.metrics["n_samples"] == 2
 
 
 def _children(parent_id) -> list:
@@ -201,32 +250,79 @@ def _logs(flow_run_ids) -> list[str]:
     return asyncio.run(go())
 
 
+def _generate_runs(flow_run_ids) -> list:
+    """The `generate` task runs of these (shard) flow runs."""
+    async def go():
+        async with get_client() as client:
+            return await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flow_run_ids))),
+                task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_="generate")))
+    return asyncio.run(go())
+
+
+@contextlib.contextmanager
+def _two_gpu_slots(stack):
+    """The shared stack with two gpu workers and two GPU slots for the block (what `evaldag up --gpus 2` gives),
+    then back to one."""
+    from evaldag.stack import Stack
+
+    Stack(stack.settings.model_copy(update={"num_gpus": 2})).up(deploy=False)
+    try:
+        yield
+    finally:
+        stack.up(deploy=False)
+
+
+WAITING = "is being written by another process (an identical evaluation): waiting for it"
+
+
 def test_identical_evaluations_started_together_compute_once(live_stack):
-    """Two identical requests at the same moment, as two parent flow runs: the generation is computed once (the
-    other evaluation waits for it and reuses it), both complete, and MLflow holds one run."""
+    """Two identical requests at the same moment, as two parent flow runs, with two gpu workers: both shard runs
+    are inside the generate stage at once, the cross-process file lock lets one compute while the other waits,
+    then the other reuses the file: the generation is computed once, both complete, and MLflow holds one run.
+
+    The test holds the generation's lock itself until both shard processes are waiting on it, so they really meet
+    there (on timing alone the second shard could start after the first had finished, and prove nothing)."""
+    from evaldag import store
+    from evaldag.plan import EvalRequest, resolve
+
     params = {"limit": 4, "num_shards": 1, "step": 31, "train_run": "twins", "sampling": {"max_new_tokens": 16}}
-    runs = [run_deployment("eval/gsm8k", timeout=0, parameters=params) for _ in range(2)]
-    states = [_wait(lambda fr=fr: (s := _state(fr.id)) and s.is_final() and s, timeout=900) for fr in runs]
+    plan = resolve(EvalRequest.parse(benchmark="gsm8k", **params))    # the plan both parents will resolve
+    assert not plan.generations_path(0).exists()
+    with _two_gpu_slots(live_stack):
+        with store.lock(plan.generations_path(0)):
+            runs = [run_deployment("eval/gsm8k", timeout=0, parameters=params) for _ in range(2)]
+
+            def both_waiting():
+                shards = [c for fr in runs for c in _children(fr.id)]
+                done = [c.state.name for c in shards if c.state and c.state.is_final()]
+                assert not done, f"shard runs ended ({done}) while the test held the generation's lock"
+                waiting = [m for m in _logs([c.id for c in shards]) if WAITING in m]
+                return shards if len(shards) == 2 and len(waiting) == 2 else None
+
+            try:
+                shards = _wait(both_waiting, timeout=600, every=2)
+            except AssertionError as e:
+                found = [c for fr in runs for c in _children(fr.id)]
+                raise AssertionError(f"the two shard runs never waited on the lock together ({e}): "
+                                     f"{[(str(c.id), c.state.name) for c in found]}, "
+                                     f"{_logs([c.id for c in found])}") from None
+            assert {t.flow_run_id for t in _generate_runs([c.id for c in shards])
+                    if t.state and t.state.is_running()} == {c.id for c in shards}     # two processes at once
+        states = [_wait(lambda fr=fr: (s := _state(fr.id)) and s.is_final() and s, timeout=900) for fr in runs]
     assert all(s.is_completed() for s in states), [s.message for s in states]
 
-    children = [c for fr in runs for c in _children(fr.id)]
-    # a completed shard run either computed the generations or found them; a relaunched attempt may precede it
-    shards = [c.id for c in children if c.state.is_completed()]
-    states = {str(c.id): c.state.type.value for c in children}
-
     def outcomes():
-        # a shard process ships its logs in the background: wait until every shard run's outcome has arrived
-        messages = _logs(shards)
+        # a shard process ships its logs in the background: wait until both outcomes have arrived
+        messages = _logs([c.id for c in shards])
         found = [m for m in messages if "batch 1 of 1 done" in m or "generations already in" in m]
-        return messages if len(found) >= len(shards) else None
+        return messages if len(found) >= 2 else None
 
-    try:
-        messages = _wait(outcomes, timeout=60, every=2)
-    except AssertionError:
-        raise AssertionError(f"shard runs {states} did not all report computing or reusing their generations: "
-                             f"{_logs([c.id for c in children])}") from None
+    messages = _wait(outcomes, timeout=60, every=2)
     computed = [m for m in messages if "batch 1 of 1 done" in m]
-    assert len(computed) == 1, (states, messages)           # one computation; any other shard run reused it
+    reused = [m for m in messages if "generations already in" in m]
+    assert len(computed) == 1 and len(reused) == 1, messages   # one computed; the other waited for it, then reused
+    assert all(c.state.is_completed() for fr in runs for c in _children(fr.id))
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name("gsm8k"))

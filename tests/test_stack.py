@@ -2,7 +2,8 @@
 
 Everything runs under a temporary EVALDAG_HOME on free ports, so a stack a developer runs on this machine (other
 home, other ports) is never touched. The fixture always stops what it started, and the last test checks with psutil
-that no process of this stack is left.
+that no process of this stack is left. Tests that start nothing (settings, a port refused before start-up) carry no
+`stack` mark, so `pytest -m "not stack"` runs them.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from evaldag.cli import app
 from evaldag.errors import ConfigError, StackError
 from evaldag.gpus import GPU_LIMIT
 from evaldag.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
-
-pytestmark = pytest.mark.stack
 
 GPU_WORKER = "gpu-worker-0"
 ALL = [PREFECT_SERVER, MLFLOW_SERVER, CPU_WORKER, GPU_WORKER]
@@ -93,6 +92,26 @@ def test_settings_from_env_and_gpu_pinning(monkeypatch, tmp_path):
         StackSettings.from_env()
 
 
+def test_busy_server_answers_are_retried():
+    """503 is Prefect's "SQLite busy, retry" (e.g. just after a restart): the stack's own API calls re-send."""
+    from evaldag.stack import _RetryBusy
+
+    answers = [503, 503, 200]
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.content)
+        return httpx.Response(answers.pop(0))
+
+    with httpx.Client(base_url="http://x", transport=_RetryBusy(httpx.MockTransport(handler), delays=(0, 0, 0))) as c:
+        assert c.post("/v2/concurrency_limits/", json={"limit": 2}).status_code == 200
+    assert seen == [b'{"limit":2}'] * 3                       # the same body each time
+    answers[:] = [503] * 4
+    with httpx.Client(base_url="http://x", transport=_RetryBusy(httpx.MockTransport(handler), delays=(0, 0, 0))) as c:
+        assert c.get("/health").status_code == 503            # gives up after its delays, with the last answer
+    assert answers == []
+
+
 def _pids(st: Stack) -> dict[str, int]:
     return {row.component: row.pid for row in st.status()}
 
@@ -103,6 +122,7 @@ def _cli_env(st: Stack) -> dict[str, str]:
             "EVALDAG_MLFLOW_PORT": str(s.mlflow_port)}
 
 
+@pytest.mark.stack
 def test_up_starts_servers_pools_and_workers(stack):
     assert sorted(stack.first_report.started) == sorted(ALL)
     s = stack.settings
@@ -118,6 +138,7 @@ def test_up_starts_servers_pools_and_workers(stack):
     assert (stack.home / "stack" / "state.json").exists()
 
 
+@pytest.mark.stack
 def test_workers_get_env_and_default_sigint(stack):
     procs = {row.component: psutil.Process(row.pid) for row in stack.status()}
     for name in (CPU_WORKER, GPU_WORKER):
@@ -134,6 +155,7 @@ def test_workers_get_env_and_default_sigint(stack):
     assert procs[MLFLOW_SERVER].environ()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
 
 
+@pytest.mark.stack
 def test_second_up_starts_nothing(stack, monkeypatch):
     before = _pids(stack)
     report = stack.up(deploy=False)
@@ -146,6 +168,7 @@ def test_second_up_starts_nothing(stack, monkeypatch):
     assert report.started == [] and _pids(stack) == before
 
 
+@pytest.mark.stack
 def test_status_and_cli_status(stack):
     rows = stack.status()
     assert [r.component for r in rows] == ALL
@@ -158,6 +181,7 @@ def test_status_and_cli_status(stack):
     assert GPU_WORKER in result.output and stack.settings.prefect_url in result.output
 
 
+@pytest.mark.stack
 def test_env_lines(stack):
     s = stack.settings
     expected = [f"export PREFECT_API_URL=http://127.0.0.1:{s.prefect_port}/api",
@@ -168,6 +192,7 @@ def test_env_lines(stack):
     assert result.exit_code == 0 and result.output.splitlines() == expected
 
 
+@pytest.mark.stack
 def test_dead_worker_is_restarted(stack):
     before = _pids(stack)
     os.killpg(before[GPU_WORKER], signal.SIGKILL)
@@ -181,12 +206,32 @@ def test_dead_worker_is_restarted(stack):
     assert all(r.healthy for r in stack.status())
 
 
+@pytest.mark.stack
+def test_server_that_does_not_answer_is_replaced(stack):
+    """A server process that is alive but does not answer (here hung: SIGSTOP; also one still shutting down after
+    a restart began) is not "kept": `up` replaces it and waits until the new one is healthy."""
+    before = _pids(stack)
+    os.killpg(before[MLFLOW_SERVER], signal.SIGSTOP)
+    try:
+        report = stack.up(deploy=False)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(before[MLFLOW_SERVER], signal.SIGCONT)
+    assert report.started == [MLFLOW_SERVER]
+    after = _pids(stack)
+    assert after[MLFLOW_SERVER] != before[MLFLOW_SERVER] and not psutil.pid_exists(before[MLFLOW_SERVER])
+    assert {k: v for k, v in after.items() if k != MLFLOW_SERVER} == \
+        {k: v for k, v in before.items() if k != MLFLOW_SERVER}
+    assert all(r.healthy for r in stack.status())
+
+
 def _gpu_limit(st: Stack) -> dict:
     r = httpx.get(f"{st.settings.prefect_api_url}/v2/concurrency_limits/{GPU_LIMIT}", timeout=5)
     assert r.status_code == 200, r.text
     return r.json()
 
 
+@pytest.mark.stack
 def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
     """`up` made the limit (one slot per GPU); a TP=2 shard on a 2-GPU pool holds both slots, so nothing else
     gets one until it is done, and a TP=3 shard fails at once instead of waiting forever."""
@@ -218,6 +263,7 @@ def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
     assert (_gpu_limit(stack)["limit"], _gpu_limit(stack)["active_slots"]) == (1, 0)
 
 
+@pytest.mark.stack
 def test_deploy_failure_shows_log_tail(stack, tmp_path, monkeypatch):
     bad = tmp_path / "prefect.yaml"
     bad.write_text("deployments:\n  - name: broken\n    entrypoint: no_such_file.py:nothing\n"
@@ -291,6 +337,7 @@ def _flow_run_processes(stack_id: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.stack
 def test_down_leaves_nothing(stack, tmp_path):
     """A flow run in flight (its own session, not in the worker's process group) is stopped too."""
     s = stack.settings
@@ -300,7 +347,11 @@ def test_down_leaves_nothing(stack, tmp_path):
     subprocess.run([sys.executable, "-c", START_RUN, str(tmp_path)], env=env, check=True, timeout=120,
                    capture_output=True)
     runs = _flow_run_processes(state["stack_id"])
-    assert runs and all(os.getsid(p.pid) != os.getsid(stack.status()[2].pid) for p in runs)
+    # the gpu worker (sleepy's pool) started the run, in a session and process group of the run's own
+    gpu_worker = psutil.Process(_pids(stack)[GPU_WORKER])
+    assert runs and {p.pid for p in runs} <= {c.pid for c in gpu_worker.children(recursive=True)}
+    for p in runs:
+        assert os.getpgid(p.pid) != os.getpgid(gpu_worker.pid) and os.getsid(p.pid) != os.getsid(gpu_worker.pid)
 
     t0 = time.monotonic()
     stopped = stack.down()

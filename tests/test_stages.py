@@ -4,6 +4,7 @@ identical evaluations at once compute once; a grading-only change re-grades with
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import threading
 import time
@@ -58,17 +59,20 @@ def _plan(ckpt, results):
     return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=3, num_shards=1), results)
 
 
-def test_identical_evaluations_at_once_generate_once(setup):
+def test_identical_evaluations_at_once_generate_once(setup, caplog):
     ckpt, _, results = setup
     plan = _plan(ckpt, results)
     out = []
     threads = [threading.Thread(target=lambda: out.append(generate_shard(plan, 0))) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with caplog.at_level(logging.INFO, logger="evaldag"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert CountingEngine.calls == 2          # 3 problems in batches of 2: generated once, not twice
     assert out[0] == out[1] and out[0].is_file()
+    # they really ran at once: one found the lock taken and waited (the e2e twins test does this across processes)
+    assert caplog.text.count("is being written by another process (an identical evaluation): waiting for it") == 1, caplog.text
 
 
 def test_grading_change_regrades_without_regenerating(setup):

@@ -424,13 +424,23 @@ def test_default_spool_dir(monkeypatch, tmp_path):
         tmp_path / "state" / "spool" / "run-7"
 
 
+def _flush_threads(n: CheckpointNotifier) -> list[threading.Thread]:
+    """Live background-flush threads of `n` (named after its training run)."""
+    return [t for t in threading.enumerate() if t.name == f"evaldag-flush-{n.train_run}"]
+
+
 def test_background_flush_is_opt_in_and_delivers(tmp_path):
     port = _closed_port()
     n = _notifier(f"http://127.0.0.1:{port}/api", tmp_path, max_block_s=0.5)
     event_id = n.notify(tmp_path, 1)
     server = FakeEventsServer().start(port)
     try:
+        # opt-in: the server is back, but until start_background_flush() nothing sends the spooled event
+        assert _flush_threads(n) == []
+        time.sleep(0.5)
+        assert server.received == [] and len(n.pending()) == 1
         n.start_background_flush(interval_s=0.05)
+        assert len(_flush_threads(n)) == 1
         deadline = time.monotonic() + 5
         while n.pending() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -438,6 +448,7 @@ def test_background_flush_is_opt_in_and_delivers(tmp_path):
     finally:
         n.close()
         server.stop()
+    assert _flush_threads(n) == []                              # close() stops it
 
 
 @pytest.mark.parametrize("call, message", [

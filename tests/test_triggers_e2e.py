@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -131,7 +132,10 @@ def test_duplicate_events_give_one_evaluation(triggers):
     assert len(client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'dup-run'")) == 1
 
 
-def test_events_sent_while_the_server_is_down_are_spooled_then_delivered(triggers):
+def test_events_for_an_unreachable_server_are_spooled_then_flushed_to_the_live_one(triggers):
+    """The notifier points at a port where nothing listens: notify spools within its time budget, and
+    `flush_spool` (what `evaldag flush-events` runs) delivers the spooled event to the live server, which evaluates
+    it. The real server going down and coming back is test_prefect_server_restart_loses_no_event."""
     ckpt = _checkpoint("spool-run", 200)
     spool = ROOT.parent / "spool-c"
     (dead_port,) = free_ports(1)
@@ -237,7 +241,7 @@ def test_sweeper_evaluates_again_with_other_settings(triggers):
 
 def test_prefect_server_restart_loses_no_event(triggers):
     """The real server goes down while the trainer notifies; after `evaldag up` restarts it, the spooled event is
-    delivered and evaluated. Last in this module: it restarts the shared stack's server."""
+    delivered and evaluated. It and the tests after it restart the shared stack's server."""
     import psutil
 
     from evaldag.stack import PREFECT_SERVER
@@ -255,3 +259,53 @@ def test_prefect_server_restart_loses_no_event(triggers):
     assert notifier.flush() == 1 and notifier.pending() == []
     evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "restart-run")
     assert evaluation.state.is_completed(), evaluation.state.message
+
+
+
+def _stop_right_after_accepting(triggers, run: str, step: int, how: str) -> Path:
+    """Notify the live server, which answers 204 (delivered: the trainer forgets the event), and stop the server at
+    once: `terminate` (a restart: SIGTERM, graceful) or `kill` (a crash: SIGKILL to its process group). Then
+    `evaldag up` brings it back. Returns the checkpoint."""
+    import psutil
+
+    from evaldag.stack import PREFECT_SERVER
+
+    ckpt = _checkpoint(run, step)
+    notifier = CheckpointNotifier(train_run=run, api_url=triggers.settings.prefect_api_url, benchmarks=["math500"],
+                                  spool_dir=ROOT.parent / f"spool-{run}", max_block_s=2.0)
+    [server] = [s for s in triggers.status() if s.component == PREFECT_SERVER]
+    process = psutil.Process(server.pid)
+    notifier.notify(ckpt, step=step)
+    if how == "kill":
+        os.killpg(process.pid, signal.SIGKILL)
+    else:
+        process.terminate()
+    assert notifier.pending() == []                # delivered: the trainer will not send it again
+    process.wait(60)                               # gone, not just unhealthy: `up` must start a new one
+    triggers.up(deploy=False)
+    return ckpt
+
+
+def test_prefect_server_restart_right_after_accepting_an_event(triggers):
+    """A graceful restart right after the server accepted an event: the evaluation still starts once the server
+    is back, and only once."""
+    _stop_right_after_accepting(triggers, "accepted-run", 500, "terminate")
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "accepted-run")
+    assert evaluation.state.is_completed(), evaluation.state.message
+    assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "accepted-run"]) == 1
+
+
+def test_prefect_server_crash_right_after_accepting_an_event_is_recovered_by_the_sweeper(triggers):
+    """A crash (SIGKILL) within milliseconds of the 204 can lose the event: Prefect's server keeps accepted events
+    in memory until its services have handled them, and the trainer does not send a delivered event again. The
+    sweeper is the net for this: after the restart it evaluates the checkpoint, once (if the event survived after
+    all, both share the evaluation's idempotency key)."""
+    ckpt = _stop_right_after_accepting(triggers, "crashed-run", 600, "kill")
+    time.sleep(5)                                  # what survived the crash has had time to start
+    print(f"the crashed server lost the accepted event: {not _event_runs(ckpt)}")
+    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ckpt.parent)]}, timeout=300)
+    assert fr.state.is_completed(), fr.state.message
+    evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "crashed-run")
+    assert evaluation.state.is_completed(), evaluation.state.message
+    time.sleep(3)                                  # a late trigger run would show up here
+    assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "crashed-run"]) == 1

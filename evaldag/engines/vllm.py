@@ -24,6 +24,7 @@ import hashlib
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 
 from evaldag.config import SamplingConfig
@@ -322,10 +323,12 @@ def _modules_hidden_from_vllm_scan() -> Iterator[None]:
     modules hold no vLLM kernel, so skipping them changes nothing; they are put back right after.
     """
     hidden: dict[str, object] = {}
-    for name, module in list(sys.modules.items()):
-        namespace = getattr(module, "__dict__", None)
-        if namespace and any(_unscannable(v) for v in list(namespace.values())):
-            hidden[name] = sys.modules.pop(name)
+    with warnings.catch_warnings():         # probing deprecated globals (torch.distributed.reduce_op) warns
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None)
+            if namespace and any(_unscannable(v) for v in list(namespace.values())):
+                hidden[name] = sys.modules.pop(name)
     try:
         yield
     finally:

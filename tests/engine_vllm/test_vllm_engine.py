@@ -146,8 +146,16 @@ def test_bad_engine_args_are_named(model_path, args, match):
         load_engine("vllm", model_path, "bfloat16", 4, args)
 
 
-def test_stages_with_vllm_leave_no_process(engine, tmp_path):
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stages_with_vllm_leave_no_process(engine, tmp_path, monkeypatch):
     """The real generate and grade stages with engine=vllm (a second engine, started and closed by the stage)."""
+    from evaldag import engines
     from evaldag.plan import EvalRequest, resolve
     from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
     from evaldag.stages import generate_shard, grade_shard
@@ -156,8 +164,19 @@ def test_stages_with_vllm_leave_no_process(engine, tmp_path):
                                engine="vllm"), tmp_path / "results")
     assert plan.resolved_model.engine == "vllm"
     before = _vllm_processes()
+    assert before, "the filter must see the module engine's own vLLM process, or it proves nothing below"
+    seen: set[int] = set()
+    real = engines.load_engine
+
+    def spy(*args, **kwargs):   # the stage's engine, just loaded: its vLLM process must be visible to the filter
+        eng = real(*args, **kwargs)
+        seen.update(_vllm_processes() - before)
+        return eng
+
+    monkeypatch.setattr(engines, "load_engine", spy)
     gens = read_table(generate_shard(plan, 0), GENERATION_SCHEMA)
-    assert _vllm_processes() == before                   # the stage's engine is shut down, no orphans
+    assert seen, "the stage's own vLLM process was never seen"
+    assert _vllm_processes() == before and all(_gone(pid) for pid in seen)   # shut down with the stage, no orphan
     assert gens.height == 4
     assert set(gens["finish_reason"]) <= {"stop", "length"}
     assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
