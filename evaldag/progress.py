@@ -1,8 +1,9 @@
 """Live progress of an evaluation, read back from its shards' Prefect progress artifacts.
 
 Each shard's generate task publishes a progress artifact whose description `describe` writes and `parse` reads
-(problems done of total, tokens generated so far). `evaldag run` polls `snapshot` and shows a rich progress bar on a
-terminal, or one line per completed shard otherwise (`Display`).
+(problems done of total, tokens generated so far). The parent flow sums them into its own whole-evaluation artifact
+(`describe_evaluation`, published by tasks/evaluation_progress.py). `evaldag run` polls `snapshot` and shows a rich
+progress bar on a terminal, or one line per completed shard otherwise (`Display`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def parse(text: str | None) -> tuple[str, int, int, int, int] | None:
     if m is None:
         return None
     return (m["benchmark"], int(m["shard"]), int(m["done"]), int(m["total"]), int(m["tokens"]))
+
+
+def describe_evaluation(benchmarks: list[str], done: int, total: int, snap: Snapshot) -> str:
+    """The parent's whole-evaluation progress text: problems of every benchmark and shard together, and the shards.
+
+    It never matches `parse`'s pattern, so it is never counted as a shard's progress."""
+    shards = (f"shards {snap.running} running, {snap.completed}/{snap.shards} done"
+              + (f", {snap.retried} retried" if snap.retried else ""))
+    return (f"evaluation of {' + '.join(benchmarks)}: {done} of {total} problems, {snap.tokens} tokens generated; "
+            f"{shards}")
 
 
 @dataclass

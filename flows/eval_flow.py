@@ -21,6 +21,7 @@ from prefect.utilities.annotations import unmapped
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
 from evaldag.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
+from tasks.evaluation_progress import evaluation_progress
 from tasks.gpus import pool_gpu_slots
 from tasks.launch import launch_shard
 from tasks.reduce import reduce_task
@@ -65,7 +66,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     groups = [[path for path, plan in zip(plan_paths, plans) if plan.num_shards > s]
               for s in range(max(plan.num_shards for plan in plans))]
     if dispatch == "deployment":
-        results = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)).result()
+        with evaluation_progress(flow_run.id, names, sum(plan.n_problems for plan in plans)):
+            results = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)).result()
     else:
         results = [shard_flow(group, s) for s, group in enumerate(groups)]
     graded: dict[str, list[str]] = {path: [] for path in plan_paths}

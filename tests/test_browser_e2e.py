@@ -114,11 +114,14 @@ def test_mlflow_and_prefect_uis_show_the_comparison_and_progress(live_stack, eva
         _check(page, "mlflow-charts", all(sorted(x) == list(steps) for x in xs),
                f"{job}: steps {xs} in the charts, expected {list(steps)} in each")
 
-    # Prefect: the last parent flow run, its shard flow run, and the shard's progress artifact
+    # Prefect: the last parent flow run, its progress artifact, its shard flow run, and the shard's progress artifact
     page.goto(f"{live_stack.prefect_url}/runs/flow-run/{parent.id}")
     _see(page, "prefect-parent", parent.name, f"the parent flow run {parent.name} not shown")
     _open_tab(page, "Subflow Runs")
     _see(page, "prefect-parent", shards[0].name, f"shard flow run {shards[0].name} not shown on the parent's page")
+    _open_tab(page, "Artifacts")
+    _see(page, "prefect-parent", re.compile(r"^progress-evaluation-"),
+         "the parent's whole-evaluation progress artifact is not shown on its flow run page")
     page.goto(f"{live_stack.prefect_url}/runs/flow-run/{shards[0].id}")
     _see(page, "prefect-shard", shards[0].name, f"shard flow run {shards[0].name} has no page")
     _open_tab(page, "Artifacts")

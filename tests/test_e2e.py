@@ -43,13 +43,14 @@ def _shard_runs(parent_id) -> list:
     return asyncio.run(go())
 
 
-def _progress_artifacts(parent_id) -> list:
-    """The progress artifacts published by the parent's shard flow runs."""
+def _progress_artifacts(parent_id, parent: bool = False) -> list:
+    """The progress artifacts published by the parent's shard flow runs (or by the parent itself)."""
     import asyncio
+    from uuid import UUID
 
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
 
-    shard_ids = [r.id for r in _shard_runs(parent_id)]
+    shard_ids = [UUID(str(parent_id))] if parent else [r.id for r in _shard_runs(parent_id)]
 
     async def go():
         async with get_client() as client:
@@ -207,6 +208,11 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
     artifacts = _progress_artifacts(parent)
     assert [(a.data, a.key) for a in artifacts] == [(100.0, "progress-math500-shard-0")]
     assert "2 of 2 problems" in artifacts[0].description
+    # the parent's own whole-evaluation progress, finished
+    [whole] = _progress_artifacts(parent, parent=True)
+    assert whole.data == 100.0 and whole.key.startswith("progress-evaluation-"), (whole.key, whole.data)
+    assert whole.description.startswith("evaluation of math500: 2 of 2 problems"), whole.description
+    assert "1/1 done" in whole.description, whole.description
 
     again = subprocess.run([evaldag, "run", "math500", "--limit", "2", "--num-shards", "1", "--step", "3",
                             "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)

@@ -73,3 +73,11 @@ def test_ctrl_c_on_a_terminal_does_what_the_answer_says(monkeypatch, answer, can
     assert asked and "cancel" in asked[0]
     assert cancelled == (["0b1c"] if cancels else [])
     assert ("cancelling sassy-fox and 2 shard" in out.getvalue()) == cancels
+
+
+def test_the_evaluations_progress_text_sums_the_shards_and_is_never_read_as_a_shard():
+    snap = progress.Snapshot(done=7, total=9, tokens=1234, shards=3, running=1, completed=2, retried=1)
+    text = progress.describe_evaluation(["math500", "aime24"], 7, 530, snap)
+    assert text == ("evaluation of math500 + aime24: 7 of 530 problems, 1234 tokens generated; "
+                    "shards 1 running, 2/3 done, 1 retried")
+    assert progress.parse(text) is None

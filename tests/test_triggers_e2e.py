@@ -110,7 +110,9 @@ def test_event_starts_an_evaluation_logged_under_the_job(triggers):
     jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
     [job] = client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'evt-run'")
     assert child.data.tags["evaldag.parent_run_id"] == job.info.run_id
-    assert [m.step for m in client.get_metric_history(job.info.run_id, "math500/accuracy")] == [100]
+    # the job's curve for this kind of evaluation (SMALL: the first 2 problems, 16 tokens), at the checkpoint's step
+    assert [m.step for m in client.get_metric_history(job.info.run_id, "math500.limit2.tok16/accuracy")] == [100]
+    assert "math500/accuracy" not in client.get_run(job.info.run_id).data.metrics   # a slice is not the full curve
 
 
 def test_duplicate_events_give_one_evaluation(triggers):
