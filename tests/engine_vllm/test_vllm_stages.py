@@ -1,0 +1,65 @@
+"""The real generate and grade stages on the vLLM engine, in a module of its own.
+
+On CPU the engine core runs in the test process, and vLLM's parallel state is process-wide: closing a second engine
+while another is alive breaks the first. So this stage's engine must be the only one alive, which a module of its
+own gives (test_vllm_engine.py's module engine is closed when pytest leaves that module); it also checks that an
+engine loads again in a process where one was closed, which is what a retried shard does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def _vllm_processes() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE
+            and any("VLLM" in part for part in [p.name(), *p.cmdline()])}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
+    """The real generate and grade stages with engine=vllm (a second engine, started and closed by the stage)."""
+    from evaldag import engines
+    from evaldag.plan import EvalRequest, resolve
+    from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
+    from evaldag.stages import generate_shard, grade_shard
+
+    plan = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=1, sampling={"max_new_tokens": 32},
+                               engine="vllm"), tmp_path / "results")
+    assert plan.resolved_model.engine == "vllm"
+    before = _vllm_processes()
+    seen: set[int] = set()
+    loaded = []
+    real = engines.load_engine
+
+    def spy(*args, **kwargs):   # the stage's engine, just loaded: its vLLM process must be visible to the filter
+        eng = real(*args, **kwargs)
+        loaded.append(eng)
+        seen.update(_vllm_processes() - before)
+        return eng
+
+    monkeypatch.setattr(engines, "load_engine", spy)
+    gens = read_table(generate_shard(plan, 0), GENERATION_SCHEMA)
+    assert len(loaded) == 1 and loaded[0].llm is None, "the stage did not close the engine it loaded"
+    # On CPU the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the engine as it
+    # loads): there is no vLLM process to see, and closing the engine (above) is what the stage owes. Elsewhere the
+    # core is a process, and the filter must have seen it alive, or "none left" below would prove nothing.
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        assert seen, "the stage's own vLLM process was never seen"
+    assert _vllm_processes() == before and all(_gone(pid) for pid in seen)   # shut down with the stage, no orphan
+    assert gens.height == 4
+    assert set(gens["finish_reason"]) <= {"stop", "length"}
+    assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
+    graded = read_table(grade_shard(plan, 0, workers=1), GRADED_SCHEMA)
+    assert graded.height == 4
