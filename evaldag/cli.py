@@ -274,9 +274,12 @@ def flush_events(
 ) -> None:
     """Send checkpoint events a trainer spooled while the Prefect server was unreachable."""
     from evaldag import paths, runner
+    from evaldag.rules import check_train_run
     from evaldag.stack import Stack
     from evaldag.trainer import flush_spool
 
+    if train_run is not None:
+        check_train_run(train_run, typer.BadParameter)   # it names a folder under the spool root
     if not os.environ.get("PREFECT_API_URL"):
         runner.point_clients_at_stack(Stack())
     root = paths.home() / "spool"

@@ -16,13 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from upath import UPath
 
 from evaldag import __version__, store
-from evaldag.config import (BenchmarkConfig, EngineName, SamplingConfig, _format_validation, load_benchmark,
-                            merge_sampling)
+from evaldag.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
 from evaldag.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.gpus import shard_gpus
 from evaldag.grading import GRADER_VERSION
 from evaldag.models import ResolvedModel, resolve_model, with_engine
+from evaldag.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
 from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
@@ -37,8 +37,8 @@ class EvalRequest(BaseModel):
 
     benchmark: str = Field(min_length=1)
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="model alias from configs/models or a checkpoint folder")
-    step: int = Field(0, ge=0, description="training step of the checkpoint; the x axis in MLflow")
-    limit: int | None = Field(None, ge=1, description="evaluate only the first `limit` problems")
+    step: int = Field(0, ge=MIN_STEP, description="training step of the checkpoint; the x axis in MLflow")
+    limit: int | None = Field(None, ge=MIN_LIMIT, description="evaluate only the first `limit` problems")
     num_shards: int | None = Field(None, ge=1, le=4096, description="shard flow runs; default: as many as the gpu "
                                                                     "slots run at once (see shard_count)")
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
@@ -46,9 +46,9 @@ class EvalRequest(BaseModel):
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
     engine: EngineName | None = Field(None, description="inference engine for this run; default: the model "
                                                         "config's (hf for a plain folder)")
-    train_run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
+    train_run: str | None = Field(None, pattern=TRAIN_RUN_PATTERN,
                                   description="training job the checkpoint belongs to; default: its parent folder")
-    mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+    mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN,
                                              description="the training job's MLflow run, when the trainer made one")
 
     @classmethod
@@ -57,7 +57,7 @@ class EvalRequest(BaseModel):
         try:
             return cls.model_validate({k: v for k, v in params.items() if v is not None})
         except ValidationError as e:
-            raise ConfigError(f"invalid evaluation request: {_format_validation(e)}") from None
+            raise ConfigError(f"invalid evaluation request: {describe_errors(e.errors())}") from None
 
 
 class EvalPlan(BaseModel):

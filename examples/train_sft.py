@@ -60,7 +60,8 @@ from pathlib import Path
 
 from evaldag import paths
 from evaldag.errors import EvalDagError
-from evaldag.trainer import TRAIN_RUN_PATTERN, CheckpointNotifier, EvalTrigger
+from evaldag.rules import check_train_run
+from evaldag.trainer import CheckpointNotifier, EvalTrigger
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BENCHMARK = "gsm8k"                       # whose prompt instruction the training data uses
@@ -119,8 +120,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--save-every-steps must be >= 0 (0 disables it), got {args.save_every_steps}")
     args.save_every_steps = args.save_every_steps or None
     args.benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    if args.train_run is not None and not re.match(TRAIN_RUN_PATTERN, args.train_run):
-        p.error(f"--train-run must match {TRAIN_RUN_PATTERN} (letters, digits, '.', '_', '-'), got {args.train_run!r}")
+    if args.train_run is not None:
+        try:
+            check_train_run(args.train_run)
+        except ValueError as e:
+            p.error(f"--{e}".replace("train_run", "train-run", 1))
     if args.resume and args.output_dir is None and args.train_run is None:
         p.error("--resume needs the run to continue: pass --output-dir (or the --train-run whose default "
                 "./runs/<train-run> folder holds the checkpoints)")
