@@ -54,6 +54,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from evaldag import cluster, paths, prefect_results, store
 from evaldag import postgres as pg
+from evaldag.deployments import CPU_POOL, GPU_POOL, MANIFEST, POOLS
 from evaldag.errors import EvalDagError, StackError
 from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
@@ -62,7 +63,6 @@ MLFLOW_SERVER = "mlflow-server"
 POSTGRES = "postgres"
 CPU_WORKER = "cpu-worker"
 SERVERS = (PREFECT_SERVER, MLFLOW_SERVER)
-POOLS = ("cpu", "gpu")
 STACK_ID_ENV = "EVALDAG_STACK_ID"
 STATE_VERSION = 1
 _CHILDREN: dict[int, subprocess.Popen] = {}  # components started by this process, reaped once they exit
@@ -332,7 +332,7 @@ class Stack:
 
     @property
     def deployments_file(self) -> Path:
-        return paths.REPO_ROOT / "deployments" / "prefect.yaml"
+        return MANIFEST
 
     def up(self, deploy: bool = True) -> UpReport:
         """Start what is missing, wait until everything is healthy, then deploy (if `deploy`). Idempotent.
@@ -560,8 +560,8 @@ class Stack:
         worker_env = {**passthrough, **common, **repo, **self._worker_runtime_env(),
                       "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
                       "MLFLOW_TRACKING_URI": s.mlflow_url}
-        workers = [(CPU_WORKER, "cpu", s.cpu_worker_limit, None)]
-        workers += [(f"gpu-worker-{i}", "gpu", 1, ",".join(ids) if ids is not None else None)
+        workers = [(CPU_WORKER, CPU_POOL, s.cpu_worker_limit, None)]
+        workers += [(f"gpu-worker-{i}", GPU_POOL, 1, ",".join(ids) if ids is not None else None)
                     for i, ids in enumerate(s.gpu_assignment)]
         for name, pool, limit, gpu in workers:
             specs[name] = self._worker_spec(name, pool, limit, gpu, worker_env, passthrough)
@@ -580,7 +580,7 @@ class Stack:
                       "EVALDAG_RESULTS_URL": s.worker_env.get("EVALDAG_RESULTS_URL", info.results_url)}
         # the head's crash automation expects its period; a node that beat slower would be crashed while alive
         worker_env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(info.heartbeat_s)
-        return {name: self._worker_spec(name, "gpu", 1, ",".join(ids) if ids is not None else None, worker_env,
+        return {name: self._worker_spec(name, GPU_POOL, 1, ",".join(ids) if ids is not None else None, worker_env,
                                         passthrough)
                 for name, ids in ((f"{s.node_name}-gpu-{i}", ids) for i, ids in enumerate(s.gpu_assignment))}
 
@@ -604,7 +604,7 @@ class Stack:
         env = dict(worker_env)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        elif pool == "gpu" and s.gpu_workers > 1 and "EVALDAG_TORCH_THREADS" not in env:
+        elif pool == GPU_POOL and s.gpu_workers > 1 and "EVALDAG_TORCH_THREADS" not in env:
             # unpinned slots share this machine's cores: two torch processes with all cores each
             # oversubscribe them and both slow down (see the CPU notes), so each gets its share
             env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.gpu_workers))
@@ -857,7 +857,7 @@ class Stack:
                 r = client.post("/work_pools/", json={
                     "name": pool, "type": "process",
                     "base_job_template": ProcessWorker.get_default_base_job_template(),
-                    "description": f"evaldag {'parent flows' if pool == 'cpu' else 'shard flows, one per GPU'}"})
+                    "description": f"evaldag {'parent flows' if pool == CPU_POOL else 'shard flows, one per GPU'}"})
                 if r.status_code not in (200, 201, 409):
                     raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
 

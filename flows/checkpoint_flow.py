@@ -12,13 +12,14 @@ import os
 from prefect import flow
 
 from evaldag.checkpoints import allowed_roots_from_env, validate_checkpoint_event
+from evaldag.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
 from evaldag.rules import check_limit
 from evaldag.triggers import requested_benchmarks
 from tasks.dispatch import start_evaluation
 
 
-@flow(name="on-checkpoint", log_prints=True)
+@flow(name=CHECKPOINT_FLOW, log_prints=True)
 def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # noqa: B006 - a Prefect default
                   eval_overrides: dict | None = None) -> list[dict]:
     """Validate the payload (path under EVALDAG_CHECKPOINT_ROOTS, complete checkpoint, step >= 0) and start the

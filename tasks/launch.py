@@ -6,10 +6,9 @@ from prefect import get_run_logger, task
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
+from evaldag.deployments import SHARD_DEPLOYMENT
 from evaldag.plan import load_plan
 from evaldag.stages import finished_shard
-
-SHARD_DEPLOYMENT = "eval-shard/gpu"
 
 
 @task(name="launch-shard", retries=2, retry_delay_seconds=5)
