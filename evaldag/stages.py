@@ -49,20 +49,30 @@ def _record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> Non
     store.write_json(path, record)
 
 
-def finished_shard(plan: EvalPlan, shard: int) -> UPath | None:
-    """The shard's graded file when every stage of the shard is already in the store (each recorded as reused),
-    else None. A re-run of a finished evaluation then needs no shard run at all: no worker slot, no process start,
-    no model load."""
+def _shard_outputs(plan: EvalPlan, shard: int) -> dict[str, UPath]:
+    """Each stage of one shard and the file it writes."""
     outputs = {"generate": plan.generations_path(shard), "grade": plan.graded_path(shard)}
     if plan.reference is not None:
         outputs["score"] = plan.logprobs_path(shard)
+    return outputs
+
+
+def shard_done(plan: EvalPlan, shard: int) -> UPath | None:
+    """The shard's graded file when every stage of the shard is already in the store, else None; reads only.
+    A re-run of a finished evaluation then needs no shard run at all: no worker slot, no process start, no model
+    load (record that with `record_reused`)."""
+    outputs = _shard_outputs(plan, shard)
     if not all(path.is_file() for path in outputs.values()):
         return None
     if _timed_out(outputs["grade"]):     # not a result: the shard runs again to grade those rows (grade_shard)
         return None
-    for stage in outputs:
-        _record_stage(plan, shard, stage, computed=False)
     return outputs["grade"]
+
+
+def record_reused(plan: EvalPlan, shard: int) -> None:
+    """Record every stage of a done shard (`shard_done`) as reused, for the evaluation's cache hit rate."""
+    for stage in _shard_outputs(plan, shard):
+        _record_stage(plan, shard, stage, computed=False)
 
 
 # progress(problems done, problems in the shard, tokens generated so far): called as generation starts and after
