@@ -93,6 +93,11 @@ def up(
                                          database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
+    _print_up(console, stack, report)
+
+
+def _print_up(console, stack, report) -> None:
+    """What `evaldag up` did, where the UIs are, and the environment that points clients at the stack."""
     if report.started:
         console.print(f"started: {', '.join(report.started)}")
     if report.kept:

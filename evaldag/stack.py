@@ -349,66 +349,11 @@ class Stack:
             specs = self._desired_specs(state["stack_id"])
             comps: dict[str, dict] = state["components"]
 
-            # 1. Decide: keep what runs as asked, stop what is stale or unwanted, forget what died.
-            to_stop = []
-            for name, rec in list(comps.items()):
-                alive = self._alive(rec)
-                # a server that runs but does not answer is shutting down (a restart caught midway) or hung:
-                # keeping it would fail below when it exits, or never turn healthy, so it is replaced
-                answering = rec["kind"] != "server" or (alive and self._server_healthy(name, rec["url"]))
-                if alive and answering and name in specs and rec.get("key") == specs[name].key:
-                    report.kept.append(name)
-                    continue
-                if alive:
-                    to_stop.append(name)
-                    if name not in specs:
-                        report.stopped.append(name)
-                else:
-                    del comps[name]
-            if to_stop:
-                self._stop(state, to_stop)
-                for name in to_stop:
-                    comps.pop(name, None)
+            self._reconcile(state, specs, report)
             to_start = [n for n in specs if n not in comps]
             started: list[str] = []
             try:
-                # 2. Ports first, so a busy port fails before anything starts.
-                for name in to_start:
-                    if specs[name].port is not None:
-                        self._check_port_free(specs[name])
-                # 3. The database, then both servers at once (they are independent), then pools, workers, health.
-                if POSTGRES in specs:
-                    if POSTGRES in to_start:
-                        comps[POSTGRES] = self._spawn(specs[POSTGRES])
-                        started.append(POSTGRES)
-                        self._save_state(state)
-                    self._wait_healthy(state, [POSTGRES])
-                    pg.ensure_database(self._pg_credentials(), self.settings.postgres_port)
-                for name in SERVERS:
-                    if name in to_start:
-                        comps[name] = self._spawn(specs[name])
-                        started.append(name)
-                        self._save_state(state)
-                if node:
-                    self._check_head_pools()
-                else:
-                    self._wait_healthy(state, [PREFECT_SERVER])
-                    self._ensure_pools()
-                    # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
-                    self._ensure_gpu_limit(reset_slots=PREFECT_SERVER in started)
-                    # flow and task results go to the workers' result store, where every node can read them
-                    prefect_results.configure(self.settings.prefect_api_url, self._results_root())
-                    # lost nodes: runs whose heartbeats stop are set Crashed, so their parents relaunch them
-                    cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s)
-                    cluster.publish(self.settings.prefect_api_url, self._cluster_info())
-                workers = [n for n in to_start if specs[n].kind == "worker"]
-                for name in workers:
-                    comps[name] = self._spawn(specs[name])
-                    started.append(name)
-                self._save_state(state)
-                if not node:
-                    self._wait_healthy(state, [MLFLOW_SERVER])
-                self._wait_workers_online(state, workers)  # kept workers are checked by status()
+                self._start_missing(state, specs, to_start, started)
             except BaseException:
                 # Leave no half-started stack behind: stop what this call started (what ran before stays).
                 with contextlib.suppress(Exception):
@@ -425,6 +370,76 @@ class Stack:
         report.elapsed_s = time.monotonic() - t0
         report.status = self.status()
         return report
+
+    def _reconcile(self, state: dict, specs: dict[str, _Spec], report: UpReport) -> None:
+        """Keep what runs as asked, stop what is stale or unwanted, forget what died (records in `state`)."""
+        comps: dict[str, dict] = state["components"]
+        to_stop = []
+        for name, rec in list(comps.items()):
+            alive = self._alive(rec)
+            # a server that runs but does not answer is shutting down (a restart caught midway) or hung:
+            # keeping it would fail below when it exits, or never turn healthy, so it is replaced
+            answering = rec["kind"] != "server" or (alive and self._server_healthy(name, rec["url"]))
+            if alive and answering and name in specs and rec.get("key") == specs[name].key:
+                report.kept.append(name)
+                continue
+            if alive:
+                to_stop.append(name)
+                if name not in specs:
+                    report.stopped.append(name)
+            else:
+                del comps[name]
+        if to_stop:
+            self._stop(state, to_stop)
+            for name in to_stop:
+                comps.pop(name, None)
+
+    def _start_missing(self, state: dict, specs: dict[str, _Spec], to_start: list[str], started: list[str]) -> None:
+        """Start the components of `to_start` and wait until they are healthy; each one started is appended to
+        `started` as it starts, so that a failure can stop exactly those."""
+        comps: dict[str, dict] = state["components"]
+        node = self.settings.server is not None
+        # Ports first, so a busy port fails before anything starts.
+        for name in to_start:
+            if specs[name].port is not None:
+                self._check_port_free(specs[name])
+        # The database, then both servers at once (they are independent), then pools, workers, health.
+        if POSTGRES in specs:
+            if POSTGRES in to_start:
+                comps[POSTGRES] = self._spawn(specs[POSTGRES])
+                started.append(POSTGRES)
+                self._save_state(state)
+            self._wait_healthy(state, [POSTGRES])
+            pg.ensure_database(self._pg_credentials(), self.settings.postgres_port)
+        for name in SERVERS:
+            if name in to_start:
+                comps[name] = self._spawn(specs[name])
+                started.append(name)
+                self._save_state(state)
+        if node:
+            self._check_head_pools()
+        else:
+            self._wait_healthy(state, [PREFECT_SERVER])
+            self._configure_server(fresh=PREFECT_SERVER in started)
+        workers = [n for n in to_start if specs[n].kind == "worker"]
+        for name in workers:
+            comps[name] = self._spawn(specs[name])
+            started.append(name)
+        self._save_state(state)
+        if not node:
+            self._wait_healthy(state, [MLFLOW_SERVER])
+        self._wait_workers_online(state, workers)  # kept workers are checked by status()
+
+    def _configure_server(self, fresh: bool) -> None:
+        """Work pools, the gpu limit, result storage, crash automation and cluster info on the head's server."""
+        self._ensure_pools()
+        # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
+        self._ensure_gpu_limit(reset_slots=fresh)
+        # flow and task results go to the workers' result store, where every node can read them
+        prefect_results.configure(self.settings.prefect_api_url, self._results_root())
+        # lost nodes: runs whose heartbeats stop are set Crashed, so their parents relaunch them
+        cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s)
+        cluster.publish(self.settings.prefect_api_url, self._cluster_info())
 
     def deploy(self) -> None:
         """`prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml` against the running server."""

@@ -135,11 +135,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         with contextlib.closing(engine.generate_batches(todo, sampling)) as stream:
             for b, completions in stream:
                 idx = batches[b]
-                rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
-                         "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
-                         "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
-                         "latency_s": c.latency_s, "batch_size": c.batch_size}
-                        for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
+                rows = _generation_rows(records, idx, completions, shard)
                 write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk(b), GENERATION_SCHEMA)
                 tokens += sum(r["completion_tokens"] for r in rows)
                 left -= 1
@@ -151,18 +147,32 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
                 if left:
                     faults.maybe_fail("generate")
     gen_s = time.perf_counter() - t1
-    order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
-    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
-          .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
-    if df.height != inputs.height * plan.sampling.n:
-        raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
-                           f"{inputs.height * plan.sampling.n}; delete that folder to regenerate the shard")
-    write_table(df, out, GENERATION_SCHEMA)
+    write_table(_merge_chunks(chunks, inputs, plan.sampling.n, shard), out, GENERATION_SCHEMA)
     store.write_json(plan.stats_path("generate", shard), {
         "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": gen_s,
         "generation_tokens": float(tokens),
         "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
+
+
+def _generation_rows(records: list[dict], idx: list[int], completions: list, shard: int) -> list[dict]:
+    """One row per completion of one batch: the input row of its problem plus what the engine returned."""
+    return [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
+             "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+             "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
+             "latency_s": c.latency_s, "batch_size": c.batch_size}
+            for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
+
+
+def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, n: int, shard: int) -> pl.DataFrame:
+    """The batch chunks of a shard as one table in the plan's order, checked to hold `n` rows per problem."""
+    order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
+          .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
+    if df.height != inputs.height * n:
+        raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
+                           f"{inputs.height * n}; delete that folder to regenerate the shard")
+    return df
 
 
 def score_shard(plan: EvalPlan, shard: int) -> UPath:
