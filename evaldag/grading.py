@@ -398,6 +398,9 @@ def strip_thinking(completion: str) -> str:
     return _THINK_RE.sub("", completion or "").strip()
 
 
+_strip_thinking = strip_thinking   # grade_table's flag of the same name hides the function there
+
+
 def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
                 strip_thinking: bool = False) -> pl.DataFrame:
     """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s (`GRADED_SCHEMA`).
@@ -412,7 +415,7 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
     df = conform(df, GENERATION_SCHEMA)
     completions = df["completion"].fill_null("").to_list()
     if strip_thinking:
-        completions = [_THINK_RE.sub("", c).strip() for c in completions]
+        completions = [_strip_thinking(c) for c in completions]
     items = list(zip(completions,
                      df["gold"].to_list(),
                      df["finish_reason"].fill_null("").to_list()))
