@@ -16,7 +16,7 @@ from evaldag.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
 from evaldag.rules import check_limit
 from evaldag.triggers import requested_benchmarks
-from tasks.dispatch import start_evaluation
+from tasks.start_evaluation import start_evaluation
 
 
 @flow(name=CHECKPOINT_FLOW, log_prints=True)

@@ -15,7 +15,7 @@ from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
 from evaldag.deployments import LATEST_FLOW, SWEEPER_FLOW
 from evaldag.errors import ConfigError
 from evaldag.triggers import evaluated_key, requested_benchmarks, train_run_of
-from tasks.dispatch import start_evaluation
+from tasks.start_evaluation import start_evaluation
 from tasks.lookup import evaluated_checkpoints
 
 

@@ -1,4 +1,4 @@
-"""dispatch task: start the evaluation flow run of one checkpoint on its benchmarks without waiting for it."""
+"""start-evaluation task: start the evaluation flow run of one checkpoint on its benchmarks without waiting for it."""
 
 from __future__ import annotations
 
