@@ -38,8 +38,10 @@ def _free_ports(n: int) -> list[int]:
 def _run(benchmark: str, params: dict) -> tuple[float, dict]:
     from prefect.deployments import run_deployment
 
+    from evaldag.deployments import eval_deployment
+
     t0 = time.perf_counter()
-    fr = run_deployment(f"eval/{benchmark}", parameters=params, timeout=None, poll_interval=1)
+    fr = run_deployment(eval_deployment(benchmark), parameters=params, timeout=None, poll_interval=1)
     wall = time.perf_counter() - t0
     if not fr.state.is_completed():
         raise SystemExit(f"evaluation ended {fr.state.type.value}: {fr.state.message}")

@@ -95,6 +95,7 @@ def measure(database: str, shards: int, workers: int, max_new_tokens: int) -> di
         pg_root.chmod(0o755)  # under root the cluster runs as `postgres`, which must reach its folder
         extra = {"postgres": True, "postgres_port": pg_port, "postgres_dir": pg_root / "cluster"}
     os.environ["EVALDAG_HOME"] = str(home)
+    from evaldag.deployments import eval_deployment
     from evaldag.stack import Stack, StackSettings
 
     stack = Stack(StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, num_gpus=workers,
@@ -113,7 +114,7 @@ def measure(database: str, shards: int, workers: int, max_new_tokens: int) -> di
             probe = Probe(stack.settings.prefect_api_url)
             probe.start()
             t0 = time.perf_counter()
-            fr = run_deployment("eval/gsm8k", timeout=0, parameters={
+            fr = run_deployment(eval_deployment("gsm8k"), timeout=0, parameters={
                 "limit": shards, "num_shards": shards, "step": 1, "train_run": f"load-{database}",
                 "sampling": {"max_new_tokens": max_new_tokens}})
             probe.flow_run_id = str(fr.id)

@@ -54,28 +54,13 @@ def _generate(engine, prompts, sampling) -> tuple[float, int]:
     return time.perf_counter() - t0, sum(c.completion_tokens for comps in out for c in comps)
 
 
-def main() -> None:
-    import argparse
+def _bench_served(model, prompts: list[str], sampling, batch: int, concurrency: int) -> tuple[str, float, float, int]:
+    """The openai engine against a `vllm serve` of the model: ("openai", server start s, generation s, tokens)."""
     import tempfile
 
     import httpx
 
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--concurrency", type=int, default=32)
-    args = ap.parse_args()
-
-    from evaldag.config import SamplingConfig, load_benchmark
-    from evaldag.datasets import load_benchmark_rows
     from evaldag.engines import load_engine
-    from evaldag.models import resolve_model
-
-    prompts = load_benchmark_rows(load_benchmark("math500"), limit=args.prompts).inputs["prompt"].to_list()
-    model = resolve_model("smollm2-135m-instruct")
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    batch = args.prompts             # one batch: both engines see every prompt at once
-    rows = []
 
     port = _free_port()
     log = Path(tempfile.mkdtemp(prefix="bench-openai-")) / "server.log"
@@ -94,13 +79,34 @@ def main() -> None:
         start_s = time.perf_counter() - t0
         print(f"server up in {start_s:.1f} s", flush=True)
         engine = load_engine("openai", "bench", model.dtype, batch,
-                             {"base_url": base, "model": "bench", "concurrency": args.concurrency})
+                             {"base_url": base, "model": "bench", "concurrency": concurrency})
         wall, tokens = _generate(engine, prompts, sampling)
         engine.close()
-        rows.append(("openai", start_s, wall, tokens))
         print(f"openai: {tokens} tokens in {wall:.1f} s", flush=True)
+        return ("openai", start_s, wall, tokens)
     finally:
         _stop(proc)
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=32)
+    args = ap.parse_args()
+
+    from evaldag.config import SamplingConfig, load_benchmark
+    from evaldag.datasets import load_benchmark_rows
+    from evaldag.engines import load_engine
+    from evaldag.models import resolve_model
+
+    prompts = load_benchmark_rows(load_benchmark("math500"), limit=args.prompts).inputs["prompt"].to_list()
+    model = resolve_model("smollm2-135m-instruct")
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    batch = args.prompts             # one batch: both engines see every prompt at once
+    rows = [_bench_served(model, prompts, sampling, batch, args.concurrency)]
 
     t0 = time.perf_counter()
     engine = load_engine("vllm", model.path, model.dtype, batch, {"max_model_len": 2048})

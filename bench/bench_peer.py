@@ -117,13 +117,16 @@ def run_evaldag(limit: int) -> tuple[float, dict]:
     """eval/math500 through the running stack, from the request to the MLflow run: (wall, summary)."""
     from prefect.deployments import run_deployment
 
+    from evaldag.deployments import eval_deployment
+
+    name = eval_deployment("math500")
     seed = random.randrange(1, 2**31)      # greedy ignores it; it only makes the generation key new
     t0 = time.perf_counter()
-    fr = run_deployment("eval/math500", timeout=None, poll_interval=1, parameters={
+    fr = run_deployment(name, timeout=None, poll_interval=1, parameters={
         "limit": limit, "step": seed % 100000, "train_run": "bench-peer", "sampling": {"seed": seed}})
     wall = time.perf_counter() - t0
     if not fr.state.is_completed():
-        raise SystemExit(f"eval/math500 ended {fr.state.type.value}: {fr.state.message}")
+        raise SystemExit(f"{name} ended {fr.state.type.value}: {fr.state.message}")
     return wall, fr.state.result()
 
 

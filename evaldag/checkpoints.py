@@ -5,7 +5,8 @@ POST to the Prefect API can send one. `validate_checkpoint_event` therefore chec
 only accepts a checkpoint folder that lies, after resolving symlinks, under a root the operator allowed
 (`EVALDAG_CHECKPOINT_ROOTS`), and that is complete on disk.
 
-The trainer side (evaldag/trainer.py) does not import this module: it must run without pydantic.
+The trainer side (evaldag/trainer.py) does not import this module: it must run without pydantic. Both take their
+rules (train run, benchmark name, step, run id, checkpoint completeness) from evaldag.rules.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evaldag.errors import CheckpointError
-from evaldag.models import validate_checkpoint
+from evaldag.rules import (BENCHMARK_PATTERN, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_checkpoint,
+                           describe_errors)
 
 log = logging.getLogger("evaldag.checkpoints")
 
 ROOTS_ENV = "EVALDAG_CHECKPOINT_ROOTS"
-# Kept equal to evaldag.trainer.TRAIN_RUN_PATTERN: the run name ends up in a folder name and a Prefect resource id.
-TRAIN_RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # The free-form `extra` of an event ends up in flow-run parameters and the Prefect database: a few settings
 # (limit, notes), not a payload. Measured as compact JSON.
 MAX_EXTRA_BYTES = 16384
@@ -67,26 +67,14 @@ class CheckpointEvent(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
     path: str = Field(min_length=1, description="absolute checkpoint folder")
-    step: int = Field(ge=0, description="training step: the x axis of the MLflow metrics")
-    epoch: int | None = Field(None, ge=0)
+    step: int = Field(ge=MIN_STEP, description="training step: the x axis of the MLflow metrics")
+    epoch: int | None = Field(None, ge=MIN_STEP)
     train_run: str = Field(pattern=TRAIN_RUN_PATTERN, description="name of the training run")
-    benchmarks: list[Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")]] | None = Field(
+    benchmarks: list[Annotated[str, Field(pattern=BENCHMARK_PATTERN)]] | None = Field(
         None, min_length=1, description="benchmark names (configs/benchmarks/<name>.yaml); None = the default")
     model: str | None = Field(None, min_length=1)
-    mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)
     extra: dict[str, Any] = Field(default_factory=dict)
-
-
-def _describe(err: ValidationError) -> str:
-    missing = [".".join(str(x) for x in e["loc"]) for e in err.errors() if e["type"] == "missing"]
-    parts = [f"missing required field(s) {', '.join(repr(m) for m in missing)}"] if missing else []
-    for e in err.errors():
-        if e["type"] == "missing":
-            continue
-        loc = ".".join(str(x) for x in e["loc"]) or "(payload)"
-        got = e.get("input")
-        parts.append(f"{loc}: {e['msg']} (got {type(got).__name__} {got!r:.80})")
-    return "; ".join(parts)
 
 
 def _real(path: str | Path) -> Path:
@@ -123,7 +111,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
 
     Raises CheckpointError naming the problem: not a mapping, missing or mistyped fields, a relative path or one
     with `..` components, a folder that (after resolving symlinks) is not under one of `allowed_roots`, a missing
-    or incomplete folder (evaldag.models.validate_checkpoint), or, when `marker` is given, a folder without that
+    or incomplete folder (evaldag.rules.check_checkpoint), or, when `marker` is given, a folder without that
     marker file (the trainer writes it last, once the checkpoint is complete). The returned path is the resolved
     one, so the evaluation reads exactly the folder that was checked.
     """
@@ -133,7 +121,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     try:
         event = CheckpointEvent.model_validate(dict(payload))
     except ValidationError as e:
-        raise CheckpointError(f"invalid checkpoint event payload: {_describe(e)}") from None
+        raise CheckpointError(f"invalid checkpoint event payload: {describe_errors(e.errors(), top='(payload)')}") from None
     raw = event.path
     where = f"checkpoint event (train_run={event.train_run}, step={event.step})"
     extra_size = len(json.dumps(event.extra, separators=(",", ":"), default=str).encode())
@@ -164,7 +152,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
         raise CheckpointError(f"{where}: {raw} has no {marker} marker; the trainer writes it once the checkpoint "
                               "is complete, so it is still being written (or the trainer does not write markers)")
     try:
-        validate_checkpoint(real)
+        check_checkpoint(real, CheckpointError)
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return event.model_copy(update={"path": str(real)})
@@ -175,7 +163,7 @@ def _complete(folder: Path, marker: str | None) -> str | None:
     if marker is not None and not (folder / marker).is_file():
         return f"no {marker} marker"
     try:
-        validate_checkpoint(folder)
+        check_checkpoint(folder, CheckpointError)
     except CheckpointError as e:
         return str(e)
     return None
@@ -186,7 +174,7 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
 
     Looks at the folders directly under `root` (`<root>/checkpoint-1200`) and, for those whose name is not a
     checkpoint name, one level deeper (`<root>/<run>/checkpoint-1200`). A folder counts when parse_step reads a
-    step from its name and it is complete (evaldag.models.validate_checkpoint, plus `marker` when given).
+    step from its name and it is complete (evaldag.rules.check_checkpoint, plus `marker` when given).
     Incomplete ones are skipped and logged at INFO with the reason; hidden folders (`.name`) and entries whose
     real path lies outside `root` (symlinks) are ignored.
     """

@@ -93,6 +93,11 @@ def up(
                                          database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
+    _print_up(console, stack, report)
+
+
+def _print_up(console, stack, report) -> None:
+    """What `evaldag up` did, where the UIs are, and the environment that points clients at the stack."""
     if report.started:
         console.print(f"started: {', '.join(report.started)}")
     if report.kept:
@@ -274,9 +279,12 @@ def flush_events(
 ) -> None:
     """Send checkpoint events a trainer spooled while the Prefect server was unreachable."""
     from evaldag import paths, runner
+    from evaldag.rules import check_train_run
     from evaldag.stack import Stack
     from evaldag.trainer import flush_spool
 
+    if train_run is not None:
+        check_train_run(train_run, typer.BadParameter)   # it names a folder under the spool root
     if not os.environ.get("PREFECT_API_URL"):
         runner.point_clients_at_stack(Stack())
     root = paths.home() / "spool"

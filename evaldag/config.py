@@ -16,6 +16,7 @@ from evaldag import paths
 from evaldag.errors import ConfigError
 from evaldag.grading import GoldFormat
 from evaldag.rewards import RewardSpec
+from evaldag.rules import BENCHMARK_PATTERN, describe_errors, is_benchmark_name
 
 
 # The inference engines (evaldag.engines registers them): transformers, vLLM in-process, a running OpenAI-compatible
@@ -67,7 +68,7 @@ class FieldMap(_Strict):
 class BenchmarkConfig(_Strict):
     """One benchmark: data source, field mapping, prompt, grader and defaults."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]*$")
+    name: str = Field(pattern=BENCHMARK_PATTERN)
     description: str = ""
     dataset: DatasetSource
     fields: FieldMap
@@ -138,14 +139,6 @@ class ModelConfig(_Strict):
         return self
 
 
-def _format_validation(err: ValidationError) -> str:
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        parts.append(f"{loc}: {e['msg']}")
-    return "; ".join(parts)
-
-
 def _load_yaml(path: Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text())
@@ -164,13 +157,13 @@ def available(kind: Literal["benchmarks", "models"]) -> list[str]:
 def load_benchmark(name: str) -> BenchmarkConfig:
     """Load and validate configs/benchmarks/<name>.yaml; unknown or malformed configs raise ConfigError."""
     path = paths.configs_dir() / "benchmarks" / f"{name}.yaml"
-    if not path.is_file():
+    if not is_benchmark_name(name) or not path.is_file():   # the pattern: a name never reaches outside configs/
         raise ConfigError(f"unknown benchmark {name!r}; available: {', '.join(available('benchmarks')) or 'none'} "
                           f"(configs live in {path.parent})")
     try:
         cfg = BenchmarkConfig.model_validate(_load_yaml(path))
     except ValidationError as e:
-        raise ConfigError(f"malformed benchmark config {path}: {_format_validation(e)}") from None
+        raise ConfigError(f"malformed benchmark config {path}: {describe_errors(e.errors())}") from None
     if cfg.name != name:
         raise ConfigError(f"{path} declares name {cfg.name!r}; it must match its file name {name!r}")
     return cfg
@@ -184,7 +177,7 @@ def load_model(name: str) -> ModelConfig:
     try:
         return ModelConfig.model_validate(_load_yaml(path))
     except ValidationError as e:
-        raise ConfigError(f"malformed model config {path}: {_format_validation(e)}") from None
+        raise ConfigError(f"malformed model config {path}: {describe_errors(e.errors())}") from None
 
 
 def merge_sampling(base: SamplingConfig, overrides: dict | None) -> SamplingConfig:
@@ -196,4 +189,4 @@ def merge_sampling(base: SamplingConfig, overrides: dict | None) -> SamplingConf
     try:
         return SamplingConfig.model_validate({**base.model_dump(), **overrides})
     except ValidationError as e:
-        raise ConfigError(f"invalid sampling overrides {overrides}: {_format_validation(e)}") from None
+        raise ConfigError(f"invalid sampling overrides {overrides}: {describe_errors(e.errors())}") from None

@@ -16,6 +16,7 @@ from evaldag import paths
 from evaldag.config import BenchmarkConfig
 from evaldag.errors import DatasetError
 from evaldag.grading import normalize_gold
+from evaldag.rules import check_limit
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,7 @@ def _content_hash(rows: list[dict], cfg: BenchmarkConfig) -> str:
 
 def load_benchmark_rows(cfg: BenchmarkConfig, limit: int | None = None) -> LoadedBenchmark:
     """Load the benchmark's split, check its fields, and build the inputs table of the first `limit` problems."""
-    if limit is not None and limit < 1:
-        raise DatasetError(f"limit must be >= 1 (got {limit}); omit it to evaluate the whole benchmark")
+    check_limit(limit, error=DatasetError)
     rows, source = _load_rows(cfg)
     if not rows:
         raise DatasetError(f"benchmark {cfg.name!r}: {source} has no rows")

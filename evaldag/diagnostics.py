@@ -97,6 +97,33 @@ def _permutation_p(correct: np.ndarray, shard: np.ndarray, n_shards: int, n_perm
     return (1 + as_extreme) / (1 + n_perm)
 
 
+def _untestable(by: pl.DataFrame) -> str | None:
+    """Why the per-shard table `by` cannot show a shard effect, or None when it can be tested."""
+    total, correct = int(by["n"].sum()), int(by["correct"].sum())
+    if by.height < 2:
+        return f"Only {by.height} shard with samples: nothing to compare."
+    if correct in (0, total):
+        return f"Every sample is {'correct' if correct else 'wrong'}: the shards cannot disagree."
+    if int(by["problems"].max()) <= 1:
+        return ("Not tested: every shard holds one problem, so a shard's accuracy is its problem's and a shard "
+                "effect cannot be told apart from problem difficulty (plan at least 2 problems per shard to test it).")
+    return None
+
+
+def _problem_scores(graded: pl.DataFrame, present: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each problem's correct count (its accuracy when problems have unequal sample counts) and the position of its
+    shard in `present`: what the permutation test deals out."""
+    problems = (graded.group_by("sample_id")
+                .agg(shard=pl.col("shard_index").first(), c=pl.col("correct").fill_null(False).sum(), n=pl.len())
+                .sort("sample_id"))
+    index = {s: i for i, s in enumerate(present)}
+    shard_of = np.array([index[s] for s in problems["shard"].to_list()])
+    counts = problems["c"].to_numpy().astype(np.float64)
+    if problems["n"].n_unique() > 1:   # unequal n per problem: compare accuracies, each problem weighted equally
+        counts = counts / problems["n"].to_numpy()
+    return counts, shard_of
+
+
 def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: int | None = None,
                        permutations: int = PERMUTATIONS, seed: int = 0) -> Diagnostic:
     """Do the shards' accuracies differ more than their problems' difficulties explain?
@@ -129,34 +156,17 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
         "problems_by_shard": dict(zip(present, by["problems"].to_list())),
     }
     note = f" Shards {empty} have no samples and were left out of the test." if empty else ""
-    total, correct = int(by["n"].sum()), int(by["correct"].sum())
-    if len(present) < 2:
+    untestable = _untestable(by)
+    if untestable is not None:
         details["p_value"] = 1.0
-        return Diagnostic(name, False, f"Only {len(present)} shard with samples: nothing to compare.{note}",
-                          "None.", details)
-    if correct in (0, total):
-        details["p_value"] = 1.0
-        return Diagnostic(name, False, f"Every sample is {'correct' if correct else 'wrong'}: the shards cannot "
-                          f"disagree.{note}", "None.", details)
-    if int(by["problems"].max()) <= 1:
-        details["p_value"] = 1.0
-        return Diagnostic(name, False, "Not tested: every shard holds one problem, so a shard's accuracy is its "
-                          "problem's and a shard effect cannot be told apart from problem difficulty (plan at "
-                          f"least 2 problems per shard to test it).{note}", "None.", details)
+        return Diagnostic(name, False, untestable + note, "None.", details)
 
     from scipy.stats import chi2, chi2_contingency
 
     table = np.column_stack([by["correct"].to_numpy(), (by["n"] - by["correct"]).to_numpy()])
     stat, p_iid, dof, _ = chi2_contingency(table, correction=False)
     deff = _design_effect(graded)
-    problems = (graded.group_by("sample_id")
-                .agg(shard=pl.col("shard_index").first(), c=pl.col("correct").fill_null(False).sum(), n=pl.len())
-                .sort("sample_id"))
-    index = {s: i for i, s in enumerate(present)}
-    shard_of = np.array([index[s] for s in problems["shard"].to_list()])
-    counts = problems["c"].to_numpy().astype(np.float64)
-    if problems["n"].n_unique() > 1:   # unequal n per problem: compare accuracies, each problem weighted equally
-        counts = counts / problems["n"].to_numpy()
+    counts, shard_of = _problem_scores(graded, present)
     p = _permutation_p(counts, shard_of, len(present), permutations, seed)
     details.update(chi2=float(stat), dof=int(dof), design_effect=deff, p_value=p, p_value_iid=float(p_iid),
                    p_value_design_effect=float(chi2.sf(stat / deff, dof)), permutations=permutations)

@@ -25,9 +25,8 @@ import tempfile
 from pathlib import Path
 
 from evaldag import paths
+from evaldag.rules import WEIGHT_FILES, WEIGHT_INDEXES  # the weight files a complete checkpoint holds
 
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 # Configs, tokenizer files and chat templates (top level of the folder). A file not listed here does not decide what
 # the model generates with evaldag's engines.
 GENERATION_FILES = frozenset({

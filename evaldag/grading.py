@@ -85,41 +85,47 @@ def normalize_gold(raw: object, fmt: GoldFormat) -> str:
     if raw is None or isinstance(raw, bool):
         raise _bad_gold(raw, fmt, "a non-empty value")
 
-    if fmt == "latex":
-        if isinstance(raw, int) or (isinstance(raw, float) and math.isfinite(raw)):
-            raw_s = _canonical_number(Decimal(repr(raw)))
-        elif isinstance(raw, str):
-            raw_s = raw.strip()
-        else:
-            raise _bad_gold(raw, fmt, "a LaTeX string")
-        if not raw_s:
-            raise _bad_gold(raw, fmt, "a non-empty LaTeX string")
-        return raw_s
+    return _GOLD_NORMALIZERS[fmt](raw)
 
-    if fmt == "integer":
-        if isinstance(raw, int):
-            return str(raw)
-        if isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():
-            return str(int(raw))
-        if isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
-            return str(int(raw.strip()))  # int() drops leading zeros: "025" -> 25, "000" -> 0
-        raise _bad_gold(raw, fmt, "an integer or a string of digits such as '025'")
 
-    if fmt == "gsm8k":
-        if not isinstance(raw, str) or "####" not in raw:
-            raise _bad_gold(raw, fmt, "a GSM8K answer ending in '#### <number>'")
-        tail = raw.rsplit("####", 1)[1]
-        number = re.sub(r"[,\s]", "", tail)
-        if not _NUMBER_RE.fullmatch(number):
-            raise _bad_gold(raw, fmt, f"a number after the last '####', found {tail.strip()!r}")
-        return number.lstrip("+")
+def _latex_gold(raw: object) -> str:
+    if isinstance(raw, int) or (isinstance(raw, float) and math.isfinite(raw)):
+        raw_s = _canonical_number(Decimal(repr(raw)))
+    elif isinstance(raw, str):
+        raw_s = raw.strip()
+    else:
+        raise _bad_gold(raw, "latex", "a LaTeX string")
+    if not raw_s:
+        raise _bad_gold(raw, "latex", "a non-empty LaTeX string")
+    return raw_s
 
-    # fmt == "number"
+
+def _integer_gold(raw: object) -> str:
+    if isinstance(raw, int):
+        return str(raw)
+    if isinstance(raw, float) and math.isfinite(raw) and raw.is_integer():
+        return str(int(raw))
+    if isinstance(raw, str) and _INT_RE.fullmatch(raw.strip()):
+        return str(int(raw.strip()))  # int() drops leading zeros: "025" -> 25, "000" -> 0
+    raise _bad_gold(raw, "integer", "an integer or a string of digits such as '025'")
+
+
+def _gsm8k_gold(raw: object) -> str:
+    if not isinstance(raw, str) or "####" not in raw:
+        raise _bad_gold(raw, "gsm8k", "a GSM8K answer ending in '#### <number>'")
+    tail = raw.rsplit("####", 1)[1]
+    number = re.sub(r"[,\s]", "", tail)
+    if not _NUMBER_RE.fullmatch(number):
+        raise _bad_gold(raw, "gsm8k", f"a number after the last '####', found {tail.strip()!r}")
+    return number.lstrip("+")
+
+
+def _number_gold(raw: object) -> str:
     if isinstance(raw, int):
         return str(raw)
     if isinstance(raw, float):
         if not math.isfinite(raw):
-            raise _bad_gold(raw, fmt, "a finite number")
+            raise _bad_gold(raw, "number", "a finite number")
         # repr() is the shortest string that round-trips, so 0.1 stays "0.1" rather than 0.1000000000000000055...
         return _canonical_number(Decimal(repr(raw)))
     if isinstance(raw, str) and _NUMBER_RE.fullmatch(raw.strip().replace(",", "")):
@@ -127,7 +133,10 @@ def normalize_gold(raw: object, fmt: GoldFormat) -> str:
             return _canonical_number(Decimal(raw.strip().replace(",", "")))
         except InvalidOperation:  # pragma: no cover - the regex admits only valid decimals
             pass
-    raise _bad_gold(raw, fmt, "a number such as 27.0, 0.5 or '3'")
+    raise _bad_gold(raw, "number", "a number such as 27.0, 0.5 or '3'")
+
+
+_GOLD_NORMALIZERS = {"latex": _latex_gold, "integer": _integer_gold, "gsm8k": _gsm8k_gold, "number": _number_gold}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -389,6 +398,9 @@ def strip_thinking(completion: str) -> str:
     return _THINK_RE.sub("", completion or "").strip()
 
 
+_strip_thinking = strip_thinking   # grade_table's flag of the same name hides the function there
+
+
 def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
                 strip_thinking: bool = False) -> pl.DataFrame:
     """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s (`GRADED_SCHEMA`).
@@ -403,7 +415,7 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
     df = conform(df, GENERATION_SCHEMA)
     completions = df["completion"].fill_null("").to_list()
     if strip_thinking:
-        completions = [_THINK_RE.sub("", c).strip() for c in completions]
+        completions = [_strip_thinking(c) for c in completions]
     items = list(zip(completions,
                      df["gold"].to_list(),
                      df["finish_reason"].fill_null("").to_list()))

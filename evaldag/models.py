@@ -19,9 +19,7 @@ from evaldag import config as cfgmod
 from evaldag import paths
 from evaldag.engines import default_engine
 from evaldag.errors import CheckpointError
-from evaldag.fingerprint import WEIGHT_FILES, WEIGHT_INDEXES
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+from evaldag.rules import check_checkpoint
 
 
 @dataclass(frozen=True)
@@ -38,41 +36,9 @@ class ResolvedModel:
 
 
 def validate_checkpoint(folder: Path) -> None:
-    """Raise CheckpointError unless `folder` holds config.json, every weight file and a tokenizer."""
-    if not folder.exists():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint {folder} is not a folder; pass a Hugging Face-format checkpoint folder "
-                              "(config.json + weights + tokenizer) or a model alias")
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no config.json; is it a Hugging Face-format folder, "
-                              "and has the trainer finished writing it?")
-    try:
-        json.loads(cfg.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {folder}: config.json is not valid JSON ({e}); "
-                              "the checkpoint may be partially written") from None
-    index = next((folder / n for n in WEIGHT_INDEXES if (folder / n).is_file()), None)
-    if index is not None:
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as e:
-            raise CheckpointError(f"checkpoint {folder}: {index.name} is malformed ({e!r})") from None
-        missing = [s for s in shards if not (folder / s).is_file() or (folder / s).stat().st_size == 0]
-        if missing:
-            raise CheckpointError(f"checkpoint {folder}: {index.name} names weight files that are missing or empty: "
-                                  f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    else:
-        weights = [folder / n for n in WEIGHT_FILES if (folder / n).is_file()]
-        if not weights:
-            raise CheckpointError(f"checkpoint {folder} has no weights (expected one of {WEIGHT_FILES} or an index "
-                                  f"{WEIGHT_INDEXES})")
-        if any(w.stat().st_size == 0 for w in weights):
-            raise CheckpointError(f"checkpoint {folder}: weight file {weights[0].name} is empty")
-    if not any((folder / n).is_file() for n in TOKENIZER_FILES):
-        raise CheckpointError(f"checkpoint {folder} has no tokenizer (expected one of {TOKENIZER_FILES}); "
-                              "save it with tokenizer.save_pretrained(folder)")
+    """Raise CheckpointError unless `folder` holds config.json, every weight file and a tokenizer
+    (the rule is evaldag.rules.check_checkpoint)."""
+    check_checkpoint(folder, CheckpointError)
 
 
 def fingerprint(folder: Path) -> str:

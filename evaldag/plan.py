@@ -1,13 +1,16 @@
 """The resolve stage: validate a request, resolve model and data, compute the eval_key, plan the shards.
 
 The plan is written to the result store as plan.json next to inputs.parquet; every later stage reads only those,
-so a shard on another machine needs nothing but the plan's path.
+so a shard on another machine needs nothing but the plan's path. A plan never changes once written, so each process
+reads and validates it once (`load_plan` keeps it, keyed by the file's identity).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from os import PathLike
 from pathlib import Path
 
@@ -16,13 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from upath import UPath
 
 from evaldag import __version__, store
-from evaldag.config import (BenchmarkConfig, EngineName, SamplingConfig, _format_validation, load_benchmark,
-                            merge_sampling)
+from evaldag.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
 from evaldag.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.gpus import shard_gpus
 from evaldag.grading import GRADER_VERSION
 from evaldag.models import ResolvedModel, resolve_model, with_engine
+from evaldag.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
 from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
@@ -37,8 +40,8 @@ class EvalRequest(BaseModel):
 
     benchmark: str = Field(min_length=1)
     checkpoint: str = Field(DEFAULT_CHECKPOINT, description="model alias from configs/models or a checkpoint folder")
-    step: int = Field(0, ge=0, description="training step of the checkpoint; the x axis in MLflow")
-    limit: int | None = Field(None, ge=1, description="evaluate only the first `limit` problems")
+    step: int = Field(0, ge=MIN_STEP, description="training step of the checkpoint; the x axis in MLflow")
+    limit: int | None = Field(None, ge=MIN_LIMIT, description="evaluate only the first `limit` problems")
     num_shards: int | None = Field(None, ge=1, le=4096, description="shard flow runs; default: as many as the gpu "
                                                                     "slots run at once (see shard_count)")
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
@@ -46,9 +49,9 @@ class EvalRequest(BaseModel):
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
     engine: EngineName | None = Field(None, description="inference engine for this run; default: the model "
                                                         "config's (hf for a plain folder)")
-    train_run: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._\-]*$",
+    train_run: str | None = Field(None, pattern=TRAIN_RUN_PATTERN,
                                   description="training job the checkpoint belongs to; default: its parent folder")
-    mlflow_parent_run_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+    mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN,
                                              description="the training job's MLflow run, when the trainer made one")
 
     @classmethod
@@ -57,7 +60,7 @@ class EvalRequest(BaseModel):
         try:
             return cls.model_validate({k: v for k, v in params.items() if v is not None})
         except ValidationError as e:
-            raise ConfigError(f"invalid evaluation request: {_format_validation(e)}") from None
+            raise ConfigError(f"invalid evaluation request: {describe_errors(e.errors())}") from None
 
 
 class EvalPlan(BaseModel):
@@ -68,7 +71,7 @@ class EvalPlan(BaseModel):
     eval_key: str
     request: EvalRequest
     benchmark: BenchmarkConfig
-    model: dict                       # ResolvedModel as a dict
+    model: ResolvedModel
     sampling: SamplingConfig
     num_shards: int
     dataset_hash: str
@@ -77,7 +80,7 @@ class EvalPlan(BaseModel):
     shards: list[list[str]]           # sample ids per shard
     pass_k: list[int]
     train_run: str
-    reference: dict | None            # ResolvedModel of the reference model, when KL is asked for
+    reference: ResolvedModel | None   # the reference model, when KL is asked for
     generation_key: str               # decides the generations (model, data, prompt, sampling, engine, shards)
     grade_key: str                    # generation_key + grading settings
     result_dir: str                   # this evaluation's folder (plan, inputs, samples, metrics)
@@ -87,7 +90,8 @@ class EvalPlan(BaseModel):
 
     @property
     def resolved_model(self) -> ResolvedModel:
-        return ResolvedModel(**self.model)
+        """The model under evaluation (the `model` field; kept for callers that read it under this name)."""
+        return self.model
 
     def path(self, name: str) -> UPath:
         """A file of this evaluation's folder in the result store."""
@@ -95,7 +99,8 @@ class EvalPlan(BaseModel):
 
     @property
     def resolved_reference(self) -> ResolvedModel | None:
-        return ResolvedModel(**self.reference) if self.reference else None
+        """The reference model of KL estimates (the `reference` field), or None."""
+        return self.reference
 
     def _stage(self, name: str, shard: int, ext: str = "parquet") -> UPath:
         return store.as_path(self.stage_dir) / f"{name}-{shard:04d}-of-{self.num_shards:04d}.{ext}"
@@ -221,14 +226,15 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     })
     root = store.as_path(results_root) if results_root is not None else store.root()
     plan = EvalPlan(
-        eval_key=eval_key, request=request, benchmark=bench, model=model.__dict__, sampling=sampling,
+        eval_key=eval_key, request=request, benchmark=bench, model=model, sampling=sampling,
         num_shards=len(shards), dataset_hash=data.dataset_hash, dataset_source=data.source,
         n_problems=data.inputs.height, shards=shards, pass_k=pass_k, train_run=train_run,
-        reference=reference.__dict__ if reference else None, generation_key=generation_key, grade_key=grade_key,
+        reference=reference, generation_key=generation_key, grade_key=grade_key,
         result_dir=str(root / bench.name / eval_key[:24]), stage_dir=str(root / bench.name / f"gen-{generation_key[:24]}"),
     )
     write_table(data.inputs, plan.path("inputs.parquet"), INPUT_SCHEMA)
-    store.write_text(plan.path("plan.json"), plan.model_dump_json(indent=2))
+    path = store.write_text(plan.path("plan.json"), plan.model_dump_json(indent=2))
+    _remember((str(path), _identity(path)), plan)
     return plan
 
 
@@ -265,9 +271,42 @@ def _default_train_run(checkpoint: str, model: ResolvedModel) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "default"
 
 
+# Plans this process has read or written, newest last. The key holds the file's identity, not only its path: a test
+# or a re-run may remove an evaluation's folder and resolve it again (mlflow_parent_run_id, for one, changes the plan
+# but not its path).
+_PLANS: OrderedDict[tuple[str, tuple], EvalPlan] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+_PLANS_KEPT = 64
+
+
+def _identity(path: UPath) -> tuple:
+    """What changes when a file at `path` is written again: size and modification time, or (where the store gives
+    no modification time) a hash of the content."""
+    st = path.stat()
+    mtime = getattr(st, "st_mtime_ns", None) or getattr(st, "st_mtime", None)
+    if mtime:
+        return (st.st_size, mtime)
+    return ("sha256", hashlib.sha256(path.read_bytes()).hexdigest())
+
+
+def _remember(key: tuple[str, tuple], plan: EvalPlan) -> None:
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+
+
 def load_plan(path: str | PathLike) -> EvalPlan:
-    """Read a plan.json written by `resolve` (a local path or a result store URL)."""
+    """The plan in a plan.json written by `resolve` (a local path or a result store URL), read and validated once
+    per process and file version."""
     path = store.as_path(path)
     if not path.is_file():
         raise ConfigError(f"plan {path} does not exist; was the resolve stage run with the same result store?")
-    return EvalPlan.model_validate_json(path.read_text())
+    key = (str(path), _identity(path))
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+    if plan is None:
+        plan = EvalPlan.model_validate_json(path.read_text())
+        _remember(key, plan)
+    return plan

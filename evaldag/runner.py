@@ -6,6 +6,7 @@ import os
 import time
 
 from evaldag import progress
+from evaldag.deployments import benchmark_deployments, eval_deployment
 from evaldag.errors import EvalDagError, StackError
 from evaldag.stack import Stack
 
@@ -35,12 +36,12 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     from rich.console import Console
 
     console = Console(highlight=False, soft_wrap=True)   # URLs must stay on one line to be clickable/greppable
-    name = f"eval/{benchmark}"
+    name = eval_deployment(benchmark)
     try:
         fr = run_deployment(name, parameters=params, timeout=0)
     except Exception as e:  # prefect raises ObjectNotFound for an unknown deployment
-        raise EvalDagError(f"cannot start {name}: {e}. Deployed benchmarks are eval/math500, eval/aime24, "
-                           "eval/gsm8k, eval/amc23 (run `evaldag up` to redeploy)") from None
+        raise EvalDagError(f"cannot start {name}: {e}. Deployed benchmarks are "
+                           f"{', '.join(benchmark_deployments())} (run `evaldag up` to redeploy)") from None
     url = f"{stack.prefect_url}/runs/flow-run/{fr.id}"
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
     t0 = time.time()

@@ -49,20 +49,30 @@ def _record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> Non
     store.write_json(path, record)
 
 
-def finished_shard(plan: EvalPlan, shard: int) -> UPath | None:
-    """The shard's graded file when every stage of the shard is already in the store (each recorded as reused),
-    else None. A re-run of a finished evaluation then needs no shard run at all: no worker slot, no process start,
-    no model load."""
+def _shard_outputs(plan: EvalPlan, shard: int) -> dict[str, UPath]:
+    """Each stage of one shard and the file it writes."""
     outputs = {"generate": plan.generations_path(shard), "grade": plan.graded_path(shard)}
     if plan.reference is not None:
         outputs["score"] = plan.logprobs_path(shard)
+    return outputs
+
+
+def shard_done(plan: EvalPlan, shard: int) -> UPath | None:
+    """The shard's graded file when every stage of the shard is already in the store, else None; reads only.
+    A re-run of a finished evaluation then needs no shard run at all: no worker slot, no process start, no model
+    load (record that with `record_reused`)."""
+    outputs = _shard_outputs(plan, shard)
     if not all(path.is_file() for path in outputs.values()):
         return None
     if _timed_out(outputs["grade"]):     # not a result: the shard runs again to grade those rows (grade_shard)
         return None
-    for stage in outputs:
-        _record_stage(plan, shard, stage, computed=False)
     return outputs["grade"]
+
+
+def record_reused(plan: EvalPlan, shard: int) -> None:
+    """Record every stage of a done shard (`shard_done`) as reused, for the evaluation's cache hit rate."""
+    for stage in _shard_outputs(plan, shard):
+        _record_stage(plan, shard, stage, computed=False)
 
 
 # progress(problems done, problems in the shard, tokens generated so far): called as generation starts and after
@@ -125,11 +135,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         with contextlib.closing(engine.generate_batches(todo, sampling)) as stream:
             for b, completions in stream:
                 idx = batches[b]
-                rows = [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
-                         "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
-                         "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
-                         "latency_s": c.latency_s, "batch_size": c.batch_size}
-                        for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
+                rows = _generation_rows(records, idx, completions, shard)
                 write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk(b), GENERATION_SCHEMA)
                 tokens += sum(r["completion_tokens"] for r in rows)
                 left -= 1
@@ -141,18 +147,32 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
                 if left:
                     faults.maybe_fail("generate")
     gen_s = time.perf_counter() - t1
-    order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
-    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
-          .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
-    if df.height != inputs.height * plan.sampling.n:
-        raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
-                           f"{inputs.height * plan.sampling.n}; delete that folder to regenerate the shard")
-    write_table(df, out, GENERATION_SCHEMA)
+    write_table(_merge_chunks(chunks, inputs, plan.sampling.n, shard), out, GENERATION_SCHEMA)
     store.write_json(plan.stats_path("generate", shard), {
         "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": gen_s,
         "generation_tokens": float(tokens),
         "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
+
+
+def _generation_rows(records: list[dict], idx: list[int], completions: list, shard: int) -> list[dict]:
+    """One row per completion of one batch: the input row of its problem plus what the engine returned."""
+    return [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
+             "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+             "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
+             "latency_s": c.latency_s, "batch_size": c.batch_size}
+            for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
+
+
+def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, n: int, shard: int) -> pl.DataFrame:
+    """The batch chunks of a shard as one table in the plan's order, checked to hold `n` rows per problem."""
+    order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
+          .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
+    if df.height != inputs.height * n:
+        raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
+                           f"{inputs.height * n}; delete that folder to regenerate the shard")
+    return df
 
 
 def score_shard(plan: EvalPlan, shard: int) -> UPath:

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 from mlflow.entities import Metric, Param
@@ -204,21 +205,54 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     (a crash). While another writer is alive this call waits up to `wait_s` (default lease + 30 s) for it to finish,
     then raises TrackingBusy, which the track task retries."""
     client = _client()
-    name = experiment_name(plan.benchmark.name)
-    exp_id = _experiment_id(client, name)
+    exp_id = _experiment_id(client, experiment_name(plan.benchmark.name))
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     lease_s = lease_seconds() if lease_s is None else lease_s
-    wait_s = lease_s + 30 if wait_s is None else wait_s
     owner = flow_run_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    model = plan.resolved_model
-    step = plan.request.step
-    tags = {
+    tags = _run_tags(plan, flow_run_id)
+    run_id, created, finished = _claim_for_writing(client, exp_id, plan, tags, owner, lease_s,
+                                                   lease_s + 30 if wait_s is None else wait_s)
+    if finished:
+        if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
+            _set_tag_best_effort(client, run_id, "prefect.last_flow_run_id", flow_run_id)
+        return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
+    current = client.get_run(run_id)
+    writing = _Writing(client, run_id, current_writer(current)[0], int(time.time() * 1000), plan.request.step)
+    _log_results(writing, plan, metrics, tags, None if created else current)
+    faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
+    diags = _log_diagnostics(writing, exp_id, plan, metrics)
+    _log_to_parent_run(writing, plan, metrics)
+    _log_artifacts(writing, plan)
+    if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
+        raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
+    client.set_terminated(run_id, "FINISHED")
+    return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
+
+
+@dataclass(frozen=True)
+class _Writing:
+    """The run this call writes, as its writer of `generation`, and the timestamp and step of what it logs."""
+
+    client: Any
+    run_id: str
+    generation: int
+    now_ms: int
+    step: int
+
+    def heartbeat(self) -> None:
+        heartbeat(self.client, self.run_id, self.generation)
+
+
+def _run_tags(plan: EvalPlan, flow_run_id: str | None) -> dict[str, str]:
+    """The tags that find the run again: eval_key, the job and step, the settings the sweeper and history compare."""
+    model = plan.model
+    return {
         "eval_key": plan.eval_key,
         "benchmark": plan.benchmark.name,
         "model": model.name,
         "checkpoint": model.path,
         "train_run": plan.train_run,
-        "step": f"{step:012d}",        # zero-padded: MLflow compares tags as strings
+        "step": f"{plan.request.step:012d}",        # zero-padded: MLflow compares tags as strings
         "dataset_hash": plan.dataset_hash,
         "prefect.flow_run_id": flow_run_id or "",
         "kind": "ckpt_eval",
@@ -226,7 +260,30 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
     }
 
-    def candidate() -> str:           # findable by eval_key only once it has won the claim (tags set below)
+
+def _run_params(plan: EvalPlan) -> dict[str, Any]:
+    """What the evaluation ran with: model, engine, data, grading and sampling settings."""
+    model = plan.model
+    return {
+        "model": model.name, "checkpoint": model.path, "model_fingerprint": model.fingerprint[:16],
+        "engine": model.engine, "dtype": model.dtype, "batch_size": model.batch_size,
+        "num_shards": plan.num_shards, "n_problems": plan.n_problems, "limit": plan.request.limit,
+        "dataset_source": plan.dataset_source, "gold_format": plan.benchmark.gold_format,
+        "pipeline_version": plan.pipeline_version, "grader_version": plan.grader_version,
+        "pass_k": ",".join(map(str, plan.pass_k)), "train_run": plan.train_run,
+        "rewards": json.dumps([r.model_dump() for r in plan.benchmark.rewards]),
+        "reference": plan.reference.path if plan.reference else None,
+        **{f"sampling.{k}": v for k, v in plan.sampling.model_dump().items()},
+    }
+
+
+def _claim_for_writing(client, exp_id: str, plan: EvalPlan, tags: dict[str, str], owner: str, lease_s: float,
+                       wait_s: float) -> tuple[str, bool, bool]:
+    """Claim the evaluation's run and become its writer unless it is finished: (run id, whether this call created
+    it, whether it is finished). Waits up to `wait_s` for a live writer, then raises TrackingBusy."""
+    step = plan.request.step
+
+    def candidate() -> str:           # findable by eval_key only once it has won the claim (tags set later)
         rest = {k: v for k, v in tags.items() if k != "eval_key"}
         return client.create_run(exp_id, run_name=f"{plan.train_run}@{step}",
                                  tags={**rest, "evaldag.candidate_for": plan.eval_key}).info.run_id
@@ -238,86 +295,78 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     deadline = time.monotonic() + wait_s
     while True:
         run_id, created = claim_run(client, exp_id, plan.eval_key, candidate, legacy)
-        run = client.get_run(run_id)
-        if run.info.status == "FINISHED":
-            if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
-                _set_tag_best_effort(client, run_id, "prefect.last_flow_run_id", flow_run_id)
-            return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
+        if client.get_run(run_id).info.status == "FINISHED":
+            return run_id, created, True
         if take_writer(client, run_id, owner, lease_s):
-            break
+            return run_id, created, False
         if time.monotonic() > deadline:
             raise TrackingBusy(f"MLflow run {run_id} of eval_key {plan.eval_key[:16]} is being logged by "
                                f"{current_writer(client.get_run(run_id))[1]} (heartbeat younger than {lease_s:.0f} "
                                f"s); waited {wait_s:.0f} s for it to finish. Retry later: a dead writer's run is "
                                "taken over once its lease expires")
         time.sleep(1.0)
-    current = client.get_run(run_id)
-    existing = None if created else current      # a run an earlier attempt left unfinished: finish it
-    generation = current_writer(current)[0]
-    params = {
-        "model": model.name, "checkpoint": model.path, "model_fingerprint": model.fingerprint[:16],
-        "engine": model.engine, "dtype": model.dtype, "batch_size": model.batch_size,
-        "num_shards": plan.num_shards, "n_problems": plan.n_problems, "limit": plan.request.limit,
-        "dataset_source": plan.dataset_source, "gold_format": plan.benchmark.gold_format,
-        "pipeline_version": plan.pipeline_version, "grader_version": plan.grader_version,
-        "pass_k": ",".join(map(str, plan.pass_k)), "train_run": plan.train_run,
-        "rewards": json.dumps([r.model_dump() for r in plan.benchmark.rewards]),
-        "reference": plan.resolved_reference.path if plan.reference else None,
-        **{f"sampling.{k}": v for k, v in plan.sampling.model_dump().items()},
-    }
+
+
+def _log_results(w: _Writing, plan: EvalPlan, metrics: dict, tags: dict[str, str], existing) -> None:
+    """Metrics at step, params and tags; `existing` is the run an earlier attempt left unfinished, if any."""
     # MLflow refuses to overwrite a param, so a resumed run logs only the params it does not have yet.
     logged = set(existing.data.params) if existing is not None else set()
-    now = int(time.time() * 1000)
-    client.log_batch(
-        run_id,
-        metrics=[Metric(mlflow_key(k), float(v), now, step) for k, v in {**metrics, "step": step}.items()],
-        params=[Param(k, str(v)) for k, v in params.items() if k not in logged],
+    w.client.log_batch(
+        w.run_id,
+        metrics=[Metric(mlflow_key(k), float(v), w.now_ms, w.step) for k, v in {**metrics, "step": w.step}.items()],
+        params=[Param(k, str(v)) for k, v in _run_params(plan).items() if k not in logged],
         tags=[],
     )
     for k, v in tags.items():
-        client.set_tag(run_id, k, v)
-    heartbeat(client, run_id, generation)
-    faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
+        w.client.set_tag(w.run_id, k, v)
+    w.heartbeat()
 
-    # Diagnostics: the shard test of this evaluation, and the job's history including this checkpoint.
+
+def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan, metrics: dict) -> list[Diagnostic]:
+    """The shard test of this evaluation and the job's history including this checkpoint: tags, a markdown
+    report and the accuracy/reward-against-step plot."""
     diags: list[Diagnostic] = []
     shard_file = plan.path("diagnostics.json")
     if shard_file.is_file():
         diags.append(Diagnostic(**json.loads(shard_file.read_text())["shard_disagreement"]))
-    current = pl.DataFrame([{"step": step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
+    current = pl.DataFrame([{"step": w.step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
                              # one sample has no std: an unknown spread makes the fluctuation test see no noise
                              "reward_std": metrics.get("reward/std", float("nan")), "n_samples": metrics["n_samples"]}])
-    history = job_history(client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != step)
+    history = job_history(w.client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != w.step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
     diags += history_diagnostics(history, describe(plan))
     from evaldag.diagnostics import to_markdown, to_tags
 
     for k, v in to_tags(diags).items():
-        client.set_tag(run_id, k, v)
-    heartbeat(client, run_id, generation)
+        w.client.set_tag(w.run_id, k, v)
+    w.heartbeat()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "diagnostics.md"
         report.write_text(to_markdown(diags))
-        client.log_artifact(run_id, str(report), artifact_path="diagnostics")
+        w.client.log_artifact(w.run_id, str(report), artifact_path="diagnostics")
         png = plot_history(history, f"{plan.train_run} on {plan.benchmark.name}",
                            Path(tmp) / f"{plan.benchmark.name}_vs_step.png")
-        client.log_artifact(run_id, str(png), artifact_path="plots")
-    # the training job's parent run: this benchmark's headline figures at this step
-    parent = parent_run(client, plan.train_run, plan.request.mlflow_parent_run_id)
-    client.set_tag(run_id, "evaldag.parent_run_id", parent)
+        w.client.log_artifact(w.run_id, str(png), artifact_path="plots")
+    return diags
+
+
+def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict) -> None:
+    """The training job's parent run gets this benchmark's headline figures at this step."""
+    parent = parent_run(w.client, plan.train_run, plan.request.mlflow_parent_run_id)
+    w.client.set_tag(w.run_id, "evaldag.parent_run_id", parent)
     # one curve per kind of evaluation: math500/accuracy for the benchmark's own settings, math500.limit4/accuracy
     # for quick slices, math500.n8.t0.6/accuracy for a sampled variant...
     series = ".".join(filter(None, (plan.benchmark.name, series_label(plan))))
-    client.log_batch(parent, metrics=[Metric(mlflow_key(f"{series}/{k}"), float(metrics[k]), now, step)
-                                      for k in HEADLINE if k in metrics])
-    heartbeat(client, run_id, generation)
+    w.client.log_batch(parent, metrics=[Metric(mlflow_key(f"{series}/{k}"), float(metrics[k]), w.now_ms, w.step)
+                                        for k in HEADLINE if k in metrics])
+    w.heartbeat()
+
+
+def _log_artifacts(w: _Writing, plan: EvalPlan) -> None:
+    """The per-sample parquet, the plan and the metrics, copied from the result store."""
     for name, folder in (("samples.parquet", "samples"), ("plan.json", "config"), ("metrics.json", "config")):
         with store.local_copy(plan.path(name)) as local:
-            client.log_artifact(run_id, str(local), artifact_path=folder)
-    if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
-        raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
-    client.set_terminated(run_id, "FINISHED")
-    return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
+            w.client.log_artifact(w.run_id, str(local), artifact_path=folder)
 
 
 def _set_tag_best_effort(client, run_id: str, key: str, value: str) -> None:

@@ -1,7 +1,7 @@
 """Trainer side of evaluate-on-checkpoint: decide when to evaluate, and tell Prefect that a checkpoint is ready.
 
 This module is imported by training scripts, so it uses the standard library only: no prefect (1 s, 78 MB to
-import), no pydantic, no torch. It must stay that way; tests/test_trainer.py checks it in a fresh interpreter.
+import), no pydantic, no torch (its input rules come from evaldag.rules, standard library only too). It must stay that way; tests/test_trainer.py checks it in a fresh interpreter.
 
 - `EvalTrigger` answers "is an evaluation due at (epoch, step)?" for step, epoch and wall-clock frequencies, and
   saves its state with the trainer's so a resumed run neither evaluates twice nor skips one.
@@ -35,14 +35,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+from evaldag.rules import (TRAIN_RUN_PATTERN, check_benchmark_names, check_count, check_run_id, check_step,
+                           check_train_run)
+
 log = logging.getLogger("evaldag.trainer")
 
 EVENT_NAME = "evaldag.checkpoint.saved"
 RESOURCE_PREFIX = "evaldag.train-run."
-# Same pattern as evaldag.checkpoints.TRAIN_RUN_PATTERN (duplicated: that module needs pydantic). It is used in the
-# spool folder name and the Prefect resource id, so it admits no path separators and no spaces.
-TRAIN_RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-_BENCHMARK_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"          # as evaldag.config.BenchmarkConfig.name
 _RETRYABLE_4XX = (408, 429)                            # request timeout, rate limited: the payload is fine
 _MIN_ATTEMPT_S = 0.05                                  # no HTTP attempt is started with less time than this left
 _BACKOFF_CAP_S = 2.0
@@ -59,14 +58,6 @@ def _positive(name: str, value: float | None, kind: type) -> None:
         raise ValueError(f"{name} must be {'a number' if kind is float else 'an int'} > 0 or None, got {value!r}")
     if not value > 0:
         raise ValueError(f"{name} must be > 0 (or None to disable it), got {value!r}")
-
-
-def _count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 class EvalTrigger:
@@ -111,8 +102,8 @@ class EvalTrigger:
 
     def due(self, epoch: int, step: int) -> tuple[str, ...]:
         """Which conditions are due at (epoch, step), without recording anything."""
-        epoch = _count("epoch", epoch)
-        step = _count("step", step)
+        epoch = check_count("epoch", epoch)
+        step = check_step(step)
         reasons = []
         if self.freq_steps is not None and step // self.freq_steps > self.last_step // self.freq_steps:
             reasons.append("steps")
@@ -157,14 +148,14 @@ class EvalTrigger:
         missing = [k for k in ("last_step", "last_epoch", "secs_since_last") if k not in state]
         if missing:
             raise ValueError(f"EvalTrigger state lacks {missing}; pass the dict returned by EvalTrigger.state_dict()")
-        last_step = _count("state['last_step']", state["last_step"])
-        last_epoch = _count("state['last_epoch']", state["last_epoch"])
+        last_step = check_count("state['last_step']", state["last_step"])
+        last_epoch = check_count("state['last_epoch']", state["last_epoch"])
         secs = state["secs_since_last"]
         if isinstance(secs, bool) or not isinstance(secs, (int, float)) or secs < 0:
             raise ValueError(f"state['secs_since_last'] must be a number >= 0, got {secs!r}")
         self.last_step, self.last_epoch = last_step, last_epoch
         self.last_time = self._clock() - float(secs)
-        self.num_triggers = _count("state['num_triggers']", state.get("num_triggers", 0))
+        self.num_triggers = check_count("state['num_triggers']", state.get("num_triggers", 0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,22 +357,16 @@ class CheckpointNotifier:
                  spool_dir: str | Path | None = None, timeout_s: float = 2.0, max_block_s: float = 5.0,
                  retries: int = 3, model: str | None = None, mlflow_parent_run_id: str | None = None,
                  backoff_s: float = 0.2) -> None:
-        if not isinstance(train_run, str) or not re.match(TRAIN_RUN_PATTERN, train_run):
-            raise ValueError(f"train_run must match {TRAIN_RUN_PATTERN} (letters, digits, '.', '_', '-'; at most "
-                             f"128 characters), got {train_run!r}")
+        check_train_run(train_run)
         if benchmarks is not None:
-            if isinstance(benchmarks, str) or not all(isinstance(b, str) and re.match(_BENCHMARK_PATTERN, b)
-                                                      for b in benchmarks) or not benchmarks:
-                raise ValueError(f"benchmarks must be a non-empty list of benchmark names such as ['math500', "
-                                 f"'gsm8k'], or None for the deployment's default; got {benchmarks!r}")
-            benchmarks = list(benchmarks)
-        for name, value in (("model", model), ("mlflow_parent_run_id", mlflow_parent_run_id)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+            benchmarks = check_benchmark_names(benchmarks)
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+        check_run_id(mlflow_parent_run_id)
         _positive("timeout_s", timeout_s, float)
         _positive("max_block_s", max_block_s, float)
         _positive("backoff_s", backoff_s, float)
-        _count("retries", retries)
+        check_count("retries", retries)
         self.train_run = train_run
         self.api_url = _check_api_url(api_url if api_url is not None else os.environ.get("PREFECT_API_URL"))
         self.benchmarks = benchmarks
@@ -469,9 +454,9 @@ class CheckpointNotifier:
             raise ValueError(f"path must be the checkpoint folder (a non-empty str or Path), got {path!r}")
         if "\0" in os.fspath(path):
             raise ValueError("path must not contain NUL characters")
-        _count("step", step)
+        check_step(step)
         if epoch is not None:
-            _count("epoch", epoch)
+            check_count("epoch", epoch)
         try:
             json.dumps(extra)
         except (TypeError, ValueError) as e:

@@ -57,10 +57,12 @@ import time
 import warnings
 from datetime import datetime
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from evaldag import paths
 from evaldag.errors import EvalDagError
-from evaldag.trainer import TRAIN_RUN_PATTERN, CheckpointNotifier, EvalTrigger
+from evaldag.rules import check_train_run
+from evaldag.trainer import CheckpointNotifier, EvalTrigger
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BENCHMARK = "gsm8k"                       # whose prompt instruction the training data uses
@@ -119,8 +121,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--save-every-steps must be >= 0 (0 disables it), got {args.save_every_steps}")
     args.save_every_steps = args.save_every_steps or None
     args.benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    if args.train_run is not None and not re.match(TRAIN_RUN_PATTERN, args.train_run):
-        p.error(f"--train-run must match {TRAIN_RUN_PATTERN} (letters, digits, '.', '_', '-'), got {args.train_run!r}")
+    if args.train_run is not None:
+        try:
+            check_train_run(args.train_run)
+        except ValueError as e:
+            p.error(f"--{e}".replace("train_run", "train-run", 1))
     if args.resume and args.output_dir is None and args.train_run is None:
         p.error("--resume needs the run to continue: pass --output-dir (or the --train-run whose default "
                 "./runs/<train-run> folder holds the checkpoints)")
@@ -278,7 +283,57 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, st
 # The training run
 # ---------------------------------------------------------------------------------------------------------------
 
+class _Start(NamedTuple):
+    """Where a run starts: its data, name and output folder, and when resuming the checkpoint and its saved state."""
+
+    data_path: Path
+    rows: list[dict]
+    train_run: str
+    output_dir: Path
+    resume_from: tuple[int, Path] | None
+    saved: dict
+    start_step: int
+
+
 def run(args: argparse.Namespace) -> int:
+    """Train from the start point to --max-steps, saving and announcing checkpoints; returns the exit status."""
+    start = _start_point(args)
+    if start.start_step >= args.max_steps:
+        print(f"[resume] {start.resume_from[1]} is at step {start.start_step} >= --max-steps {args.max_steps}; "
+              "nothing to do", flush=True)
+        return 0
+    if not args.resume and checkpoints_in(start.output_dir):
+        print(f"[warn] {start.output_dir} already holds checkpoints; they are kept and not re-announced. Pass "
+              "--resume to continue from the latest one instead of training again from the start", flush=True)
+    try:
+        trigger = EvalTrigger(freq_steps=args.save_every_steps, freq_epochs=args.save_every_epochs,
+                              freq_secs=args.save_every_secs)
+        notifier = CheckpointNotifier(train_run=start.train_run, api_url=args.api_url, benchmarks=args.benchmarks,
+                                      spool_dir=paths.home() / "spool" / start.train_run)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if notifier.api_url is None:
+        print(f"[warn] no Prefect API URL (--api-url or PREFECT_API_URL): checkpoint events are spooled to "
+              f"{notifier.spool_dir}; send them later with evaldag.trainer.flush_spool", flush=True)
+
+    # Heavy imports only once the cheap checks passed.
+    import torch
+
+    from evaldag.config import load_benchmark
+
+    base_model, tokenizer, model, optimizer = _load_model(args, start, trigger)
+    examples = Examples(start.rows, tokenizer, load_benchmark(BENCHMARK).render_prompt, args.batch_size,
+                        args.max_length, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"[train] run {start.train_run}: {base_model} ({n_params / 1e6:.0f}M params, float32) on {len(start.rows)} "
+          f"rows of {start.data_path}; steps {start.start_step + 1}..{args.max_steps}, batch {args.batch_size}, lr "
+          f"{args.lr}, max_length {args.max_length}, {examples.steps_per_epoch} steps/epoch, "
+          f"{torch.get_num_threads()} threads; checkpoints in {start.output_dir}", flush=True)
+    return _train(args, start, base_model, tokenizer, model, optimizer, examples, trigger, notifier)
+
+
+def _start_point(args: argparse.Namespace) -> _Start:
+    """The data, and where training starts: from scratch, or with --resume from the latest checkpoint."""
     data_path = (args.data if args.data is not None else default_data_path()).expanduser().resolve()
     rows = load_rows(data_path)
     if len(rows) < args.batch_size:
@@ -300,36 +355,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"[resume] no checkpoint in {output_dir}; starting from scratch", flush=True)
     train_run = args.train_run or saved.get("train_run") or f"sft-{datetime.now():%Y%m%d-%H%M%S}"
     output_dir = (output_dir if output_dir is not None else Path("runs") / train_run).expanduser().absolute()
-    start_step = int(saved.get("step", 0))
-    if start_step >= args.max_steps:
-        print(f"[resume] {resume_from[1]} is at step {start_step} >= --max-steps {args.max_steps}; nothing to do",
-              flush=True)
-        return 0
-    if not args.resume and checkpoints_in(output_dir):
-        print(f"[warn] {output_dir} already holds checkpoints; they are kept and not re-announced. Pass --resume "
-              "to continue from the latest one instead of training again from the start", flush=True)
+    return _Start(data_path, rows, train_run, output_dir, resume_from, saved, int(saved.get("step", 0)))
 
-    try:
-        trigger = EvalTrigger(freq_steps=args.save_every_steps, freq_epochs=args.save_every_epochs,
-                              freq_secs=args.save_every_secs)
-        notifier = CheckpointNotifier(train_run=train_run, api_url=args.api_url, benchmarks=args.benchmarks,
-                                      spool_dir=paths.home() / "spool" / train_run)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if notifier.api_url is None:
-        print(f"[warn] no Prefect API URL (--api-url or PREFECT_API_URL): checkpoint events are spooled to "
-              f"{notifier.spool_dir}; send them later with evaldag.trainer.flush_spool", flush=True)
 
-    # Heavy imports only once the cheap checks passed.
+def _load_model(args: argparse.Namespace, start: _Start, trigger: EvalTrigger) -> tuple[str, Any, Any, Any]:
+    """(base model name, tokenizer, model in float32 training mode, AdamW), from the model alias or, when
+    resuming, from the checkpoint with its optimizer and trigger state."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from evaldag.config import load_benchmark
     from evaldag.models import resolve_model
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
+    resume_from, saved = start.resume_from, start.saved
     if resume_from is not None:
         base_model = saved.get("base_model", args.model)
         load_from = resume_from[1]
@@ -345,27 +385,27 @@ def run(args: argparse.Namespace) -> int:
         for group in optimizer.param_groups:
             group["lr"] = args.lr                     # the command line wins over the saved learning rate
         trigger.load_state_dict(saved["trigger"])
-        now = {"seed": args.seed, "batch_size": args.batch_size, "data": str(data_path)}
+        now = {"seed": args.seed, "batch_size": args.batch_size, "data": str(start.data_path)}
         for key, value in now.items():
             if key in saved and saved[key] != value:
                 print(f"[resume] note: {key} changed from {saved[key]!r} to {value!r}; the batches differ from "
                       "those of an uninterrupted run", flush=True)
-        print(f"[resume] from {load_from} at step {start_step} (trigger: last at step {trigger.last_step}, "
+        print(f"[resume] from {load_from} at step {start.start_step} (trigger: last at step {trigger.last_step}, "
               f"{trigger.num_triggers} so far)", flush=True)
+    return base_model, tokenizer, model, optimizer
 
-    examples = Examples(rows, tokenizer, load_benchmark(BENCHMARK).render_prompt, args.batch_size,
-                        args.max_length, args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"[train] run {train_run}: {base_model} ({n_params / 1e6:.0f}M params, float32) on {len(rows)} rows of "
-          f"{data_path}; steps {start_step + 1}..{args.max_steps}, batch {args.batch_size}, lr {args.lr}, "
-          f"max_length {args.max_length}, {examples.steps_per_epoch} steps/epoch, {torch.get_num_threads()} "
-          f"threads; checkpoints in {output_dir}", flush=True)
 
-    history: list[dict] = list(saved.get("log_history", []))
+def _train(args: argparse.Namespace, start: _Start, base_model: str, tokenizer: Any, model: Any, optimizer: Any,
+           examples: Examples, trigger: EvalTrigger, notifier: CheckpointNotifier) -> int:
+    """The training loop: a step per batch, a log line every --log-every steps, a checkpoint whenever the trigger
+    is due; returns the exit status (1 when the loss stops being finite)."""
+    import torch
+
+    history: list[dict] = list(start.saved.get("log_history", []))
     window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
     run_start, run_tokens, saves = time.perf_counter(), 0, 0
-    last_saved_step = resume_from[0] if resume_from else None
-    for step in range(start_step, args.max_steps):
+    last_saved_step = start.resume_from[0] if start.resume_from else None
+    for step in range(start.start_step, args.max_steps):
         input_ids, attention_mask, labels = examples.batch(step)
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
@@ -384,26 +424,18 @@ def run(args: argparse.Namespace) -> int:
         window["tokens"] += tokens
         run_tokens += tokens
         epochs_done = global_step // examples.steps_per_epoch
-        if global_step == start_step + 1 or global_step % args.log_every == 0 or global_step == args.max_steps:
-            elapsed = time.perf_counter() - window["start"]
-            entry = {"step": global_step, "epoch": round(global_step / examples.steps_per_epoch, 4),
-                     "loss": round(window["loss"] / window["steps"], 6), "grad_norm": round(float(grad_norm), 6),
-                     "tokens_per_s": round(window["tokens"] / elapsed, 1),
-                     "s_per_step": round(elapsed / window["steps"], 3)}
-            history.append(entry)
-            print(f"[train] step {global_step}/{args.max_steps} epoch {entry['epoch']:.2f} loss {entry['loss']:.4f} "
-                  f"grad_norm {entry['grad_norm']:.3f} {entry['tokens_per_s']:.0f} tokens/s "
-                  f"{entry['s_per_step']:.2f} s/step", flush=True)
+        if global_step == start.start_step + 1 or global_step % args.log_every == 0 or global_step == args.max_steps:
+            history.append(_log_window(args, window, global_step, examples.steps_per_epoch, float(grad_norm)))
             window = {"loss": 0.0, "steps": 0, "tokens": 0, "start": time.perf_counter()}
 
         if trigger.check(epochs_done, global_step):
             t0 = time.perf_counter()
             state = {"step": global_step, "epoch": epochs_done, "epoch_progress": global_step /
-                     examples.steps_per_epoch, "loss": loss_value, "train_run": train_run, "base_model": base_model,
-                     "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr, "max_length": args.max_length,
-                     "data": str(data_path), "trigger": trigger.state_dict(),
+                     examples.steps_per_epoch, "loss": loss_value, "train_run": start.train_run,
+                     "base_model": base_model, "seed": args.seed, "batch_size": args.batch_size, "lr": args.lr,
+                     "max_length": args.max_length, "data": str(start.data_path), "trigger": trigger.state_dict(),
                      "trigger_reasons": list(trigger.last_reasons), "log_history": history}
-            path = save_checkpoint(output_dir, global_step, model, tokenizer, optimizer, state)
+            path = save_checkpoint(start.output_dir, global_step, model, tokenizer, optimizer, state)
             if path is not None:
                 saves += 1
                 last_saved_step = global_step
@@ -413,8 +445,29 @@ def run(args: argparse.Namespace) -> int:
                       f"event {event_id}", flush=True)
             window["start"] += time.perf_counter() - t0     # saving time does not count against tokens/s
 
-    total = time.perf_counter() - run_start
-    steps_run = args.max_steps - start_step
+    _report_done(args, start, time.perf_counter() - run_start, run_tokens, saves, last_saved_step, examples)
+    _report_pending(notifier)
+    notifier.close()
+    return 0
+
+
+def _log_window(args: argparse.Namespace, window: dict, global_step: int, steps_per_epoch: int,
+                grad_norm: float) -> dict:
+    """The log-history entry of the steps since the last one (`window`), printed as one [train] line."""
+    elapsed = time.perf_counter() - window["start"]
+    entry = {"step": global_step, "epoch": round(global_step / steps_per_epoch, 4),
+             "loss": round(window["loss"] / window["steps"], 6), "grad_norm": round(grad_norm, 6),
+             "tokens_per_s": round(window["tokens"] / elapsed, 1),
+             "s_per_step": round(elapsed / window["steps"], 3)}
+    print(f"[train] step {global_step}/{args.max_steps} epoch {entry['epoch']:.2f} loss {entry['loss']:.4f} "
+          f"grad_norm {entry['grad_norm']:.3f} {entry['tokens_per_s']:.0f} tokens/s "
+          f"{entry['s_per_step']:.2f} s/step", flush=True)
+    return entry
+
+
+def _report_done(args: argparse.Namespace, start: _Start, total: float, run_tokens: int, saves: int,
+                 last_saved_step: int | None, examples: Examples) -> None:
+    steps_run = args.max_steps - start.start_step
     print(f"[done] {steps_run} steps in {total:.1f} s ({total / steps_run:.2f} s/step incl. saving, "
           f"{run_tokens / total:.0f} tokens/s), {saves} checkpoint(s) saved; last checkpoint: "
           f"{'step ' + str(last_saved_step) if last_saved_step is not None else 'none'}"
@@ -423,13 +476,14 @@ def run(args: argparse.Namespace) -> int:
     if last_saved_step != args.max_steps:
         print(f"[done] note: step {args.max_steps} is not a checkpoint (no trigger was due); its weights are not saved",
               flush=True)
+
+
+def _report_pending(notifier: CheckpointNotifier) -> None:
     pending = notifier.pending()
     if pending:
         print(f"[done] {len(pending)} checkpoint event(s) wait in {notifier.spool_dir}; they go out with the next "
               f"run's first checkpoint or evaldag.trainer.flush_spool({str(notifier.spool_dir)!r}, api_url)",
               flush=True)
-    notifier.close()
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,12 +12,14 @@ import os
 from prefect import flow
 
 from evaldag.checkpoints import allowed_roots_from_env, validate_checkpoint_event
+from evaldag.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
+from evaldag.rules import check_limit
 from evaldag.triggers import requested_benchmarks
-from tasks.dispatch import start_evaluation
+from tasks.start_evaluation import start_evaluation
 
 
-@flow(name="on-checkpoint", log_prints=True)
+@flow(name=CHECKPOINT_FLOW, log_prints=True)
 def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # noqa: B006 - a Prefect default
                   eval_overrides: dict | None = None) -> list[dict]:
     """Validate the payload (path under EVALDAG_CHECKPOINT_ROOTS, complete checkpoint, step >= 0) and start the
@@ -26,10 +28,9 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
                                      marker=os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None)
     benchmarks = requested_benchmarks(ckpt.benchmarks, default_benchmarks)
     overrides = dict(eval_overrides or {})
-    limit = ckpt.extra.get("limit")   # a trainer may ask for a quick slice; it can only shrink the work
+    # a trainer may ask for a quick slice; it can only shrink the work
+    limit = check_limit(ckpt.extra.get("limit"), "event field extra.limit", CheckpointError)
     if limit is not None:
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise CheckpointError(f"event field extra.limit must be an integer >= 1, got {limit!r}")
         overrides["limit"] = min(limit, overrides.get("limit") or limit)
     if ckpt.mlflow_parent_run_id:   # the trainer made its own MLflow run for the job: log the curves there
         overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id

@@ -18,6 +18,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 
+from evaldag.deployments import EVAL_FLOW
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
 from evaldag.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
@@ -31,7 +32,7 @@ from tasks.track import track_task
 
 # persist_result: the summary lands in the result store (the server's default result storage, see
 # evaldag.prefect_results), so `evaldag run`, a parent flow or any Prefect client can read it back.
-@flow(name="eval", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True, persist_result=True)
+@flow(name=EVAL_FLOW, task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True, persist_result=True)
 def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` works from the CLI
     benchmark: str = "math500",
     checkpoint: str = DEFAULT_CHECKPOINT,

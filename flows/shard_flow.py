@@ -7,6 +7,7 @@ import contextlib
 
 from prefect import flow
 
+from evaldag.deployments import SHARD_FLOW
 from evaldag.engines.pool import keep_loaded
 from evaldag.gpus import shard_gpus
 from evaldag.plan import load_plan
@@ -15,7 +16,7 @@ from tasks.gpus import gpu_slots
 from tasks.grade import grade_task
 
 
-@flow(name="eval-shard", log_prints=True)
+@flow(name=SHARD_FLOW, log_prints=True)
 def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     """One shard of each plan (the benchmarks of one checkpoint): one engine load for all of them, every
     completion, then grading; returns the graded file's path (a list of them for a list of plans).

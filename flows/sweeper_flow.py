@@ -12,9 +12,10 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
+from evaldag.deployments import LATEST_FLOW, SWEEPER_FLOW
 from evaldag.errors import ConfigError
 from evaldag.triggers import evaluated_key, requested_benchmarks, train_run_of
-from tasks.dispatch import start_evaluation
+from tasks.start_evaluation import start_evaluation
 from tasks.lookup import evaluated_checkpoints
 
 
@@ -28,7 +29,7 @@ def _roots(roots: list[str] | None) -> list[Path]:
     return chosen
 
 
-@flow(name="eval-sweeper", log_prints=True)
+@flow(name=SWEEPER_FLOW, log_prints=True)
 def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math500"],  # noqa: B006
                  eval_overrides: dict | None = None) -> dict:
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
@@ -52,7 +53,7 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     return {"checkpoints": len(found), "already_evaluated": done, "started": started}
 
 
-@flow(name="eval-latest", log_prints=True)
+@flow(name=LATEST_FLOW, log_prints=True)
 def eval_latest(root: str, benchmark: str = "math500", eval_overrides: dict | None = None) -> dict:
     """Evaluate the newest complete checkpoint under `root` (a run folder such as /ckpts/run-42)."""
     run_root = _roots([root])[0]

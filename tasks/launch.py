@@ -6,10 +6,9 @@ from prefect import get_run_logger, task
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
+from evaldag.deployments import SHARD_DEPLOYMENT
 from evaldag.plan import load_plan
-from evaldag.stages import finished_shard
-
-SHARD_DEPLOYMENT = "eval-shard/gpu"
+from evaldag.stages import record_reused, shard_done
 
 
 @task(name="launch-shard", retries=2, retry_delay_seconds=5)
@@ -19,9 +18,10 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
     the shard run loads the engine once for all of them."""
     log = get_run_logger()
     plans = [load_plan(p) for p in plan_paths]
-    graded = {path: finished_shard(plan, shard_index) for path, plan in zip(plan_paths, plans)}
+    graded = {path: shard_done(plan, shard_index) for path, plan in zip(plan_paths, plans)}
     for path, plan in zip(plan_paths, plans):
         if graded[path] is not None:
+            record_reused(plan, shard_index)
             log.info("%s shard %d: every stage already in the result store (%s), not launched", plan.benchmark.name,
                      shard_index, graded[path])
     todo = [(path, plan) for path, plan in zip(plan_paths, plans) if graded[path] is None]

@@ -141,7 +141,7 @@ def test_settings_tp_with_named_gpus(clean_env):
 
 
 def test_settings_gpus_on_a_cpu_box(clean_env):
-    clean_env.setattr("evaldag.stack.detect_gpu_ids", lambda: None)
+    clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: None)
     s = StackSettings.from_env(num_gpus=4, tp=2)
     assert (s.gpus, s.gpu_workers) == (None, 2)
     assert _cuda(s) == {CPU_WORKER: None, "gpu-worker-0": None, "gpu-worker-1": None}  # inherit, as before
@@ -154,7 +154,7 @@ def test_settings_gpus_on_a_cpu_box(clean_env):
 
 
 def test_settings_gpus_on_a_gpu_box(clean_env):
-    clean_env.setattr("evaldag.stack.detect_gpu_ids", lambda: ("0", "1", "2", "3"))
+    clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: ("0", "1", "2", "3"))
     assert _cuda(StackSettings.from_env(num_gpus=2)) == {CPU_WORKER: None, "gpu-worker-0": "0", "gpu-worker-1": "1"}
     assert _cuda(StackSettings.from_env(num_gpus=4, tp=2))["gpu-worker-1"] == "2,3"
     clean_env.setenv("EVALDAG_GPU_WORKERS", "4")

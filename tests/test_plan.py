@@ -240,3 +240,26 @@ def test_benchmark_pass_k_above_n_is_skipped_like_the_metrics_do(tmp_path, monke
     assert plan.pass_k == [1]
     with pytest.raises(ConfigError, match=r"pass_k \[8\] must lie in 1..n"):
         resolve(EvalRequest(**{**world.request, "pass_k": [1, 8]}), world.results)
+
+
+def test_a_plan_is_read_once_per_process_and_again_when_rewritten(tmp_path, monkeypatch):
+    """load_plan keeps what it read (plans never change once written), keyed by the file's identity: a plan
+    written again at the same path (same eval_key, another MLflow parent run) is read again."""
+    from evaldag.models import ResolvedModel
+    from evaldag.plan import EvalPlan, load_plan
+
+    world = KeyWorld(tmp_path, monkeypatch)
+    plan = resolve(EvalRequest(**world.request), world.results)
+    path = plan.path("plan.json")
+    assert isinstance(plan.model, ResolvedModel) and plan.resolved_model is plan.model
+    assert load_plan(path) is plan                                         # resolve's own plan, not re-read
+    reads = []
+    real = EvalPlan.model_validate_json
+    monkeypatch.setattr(EvalPlan, "model_validate_json", lambda text: reads.append(1) or real(text))
+    planmod._PLANS.clear()
+    first = load_plan(path)
+    assert load_plan(str(path)) is first and len(reads) == 1
+    assert isinstance(first.model, ResolvedModel) and first.model == plan.model
+    again = resolve(EvalRequest(**world.request, mlflow_parent_run_id="parent42"), world.results)
+    assert again.path("plan.json") == path
+    assert load_plan(path).request.mlflow_parent_run_id == "parent42"

@@ -164,7 +164,7 @@ def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
     import polars as pl
 
     from evaldag import grading
-    from evaldag.stages import finished_shard
+    from evaldag.stages import shard_done
 
     ckpt, _, results = setup
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
@@ -180,13 +180,13 @@ def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
     monkeypatch.setattr(grading, "_grade_inline", loaded_machine)
     first = pl.read_parquet(grade_shard(plan, 0, workers=0))
     assert first["status"].to_list().count("timeout") == 1 and len(calls) == 3
-    assert finished_shard(plan, 0) is None, "a shard with timed-out grades must run again"
+    assert shard_done(plan, 0) is None, "a shard with timed-out grades must run again"
     again = pl.read_parquet(grade_shard(plan, 0, workers=0))
     assert len(calls) == 4                                   # only the timed-out row was graded again
     assert again["status"].to_list() == ["wrong"] * 3
     kept = [c for c in again.columns if c not in ("status", "pred", "grade_s", "answer_group")]
     assert again.select(kept).equals(first.select(kept))
-    assert finished_shard(plan, 0) is not None
+    assert shard_done(plan, 0) is not None
 
 
 class TwoPowersEngine(CountingEngine):

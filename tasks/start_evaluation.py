@@ -1,4 +1,4 @@
-"""dispatch task: start the evaluation flow run of one checkpoint on its benchmarks without waiting for it."""
+"""start-evaluation task: start the evaluation flow run of one checkpoint on its benchmarks without waiting for it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import time
 from prefect import get_run_logger, task
 from prefect.deployments import run_deployment
 
+from evaldag.deployments import SUITE_DEPLOYMENT, evaluation_deployment
 from evaldag.triggers import evaluation_id
-
-SUITE_DEPLOYMENT = "eval/suite"
 
 
 @task(name="start-evaluation", retries=3, retry_delay_seconds=[2, 5, 10])
@@ -24,10 +23,9 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
     key = evaluation_id(train_run, step, names, checkpoint, overrides)
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
-    if len(names) == 1:
-        deployment = f"eval/{names[0]}"
-    else:
-        deployment, params["benchmarks"] = SUITE_DEPLOYMENT, names
+    deployment = evaluation_deployment(names)
+    if deployment == SUITE_DEPLOYMENT:
+        params["benchmarks"] = names
     run_name = f"{'+'.join(names)}-{train_run}-step{step}"
     fr = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=0, flow_run_name=run_name)
     if relaunch_failed and fr.state and fr.state.is_final() and not fr.state.is_completed():

@@ -1,0 +1,209 @@
+"""What the stack sets up on its Prefect server over HTTP: health checks, the `cpu`/`gpu` process work pools, the
+`evaldag-gpus` concurrency limit, result storage, crash automation, the cluster block, and `prefect deploy`; and
+waiting until workers register."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from evaldag import cluster, paths, prefect_results
+from evaldag import postgres as pg
+from evaldag.deployments import CPU_POOL, MANIFEST, POOLS
+from evaldag.errors import StackError
+from evaldag.gpus import GPU_LIMIT
+from evaldag.stack.processes import _cli, _log_tail, _repo, _tail
+from evaldag.stack.settings import POSTGRES, PREFECT_SERVER, StackSettings
+
+
+class _RetryBusy(httpx.BaseTransport):
+    """Re-sends a request the Prefect server answered 503, which it does for SQLite busy/locked and tells clients to
+    retry: right after a (re)start its own services hold the database for a moment, and `up` must not fail then."""
+
+    def __init__(self, inner: httpx.BaseTransport | None = None, delays: tuple[float, ...] = (0.2, 0.5, 1, 2, 4, 8)):
+        self.inner = inner or httpx.HTTPTransport()
+        self.delays = delays
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for delay in self.delays:
+            response = self.inner.handle_request(request)
+            if response.status_code != 503:
+                return response
+            response.close()
+            time.sleep(delay)
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class PrefectSetup:
+    """The Prefect server side of the stack (a part of `evaldag.stack.Stack`)."""
+
+    settings: StackSettings
+    home: Path
+    logs_dir: Path
+
+    @property
+    def deployments_file(self) -> Path:
+        return MANIFEST
+
+    def deploy(self) -> None:
+        """`prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml` against the running server."""
+        state = self._load_state()
+        if not state or not self._alive(state["components"].get(PREFECT_SERVER, {})):
+            raise StackError("the Prefect server of the local stack is not running; start it with `evaldag up`")
+        if not self.deployments_file.exists():
+            raise StackError(f"no deployment manifest at {self.deployments_file}; nothing to deploy "
+                             "(use `evaldag up --no-deploy` to start the stack without deploying)")
+        log = self.logs_dir / "deploy.log"
+        argv = [_cli("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(self.deployments_file)]
+        env = {**os.environ, **self._client_env(state), "PREFECT_HOME": str(self.home / "prefect"),
+               "EVALDAG_REPO": _repo()}
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        with open(log, "wb") as out:
+            out.write(f"$ {shlex.join(argv)}\n".encode())
+            out.flush()
+            try:
+                proc = subprocess.run(argv, cwd=paths.REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                      stderr=subprocess.STDOUT, timeout=600)
+            except subprocess.TimeoutExpired:
+                raise StackError(f"`prefect deploy` took more than 600 s; see {log}:\n{_tail(log)}") from None
+        if proc.returncode != 0:
+            raise StackError(f"`prefect deploy` failed (exit code {proc.returncode}); last lines of {log}:\n"
+                             f"{_tail(log)}")
+
+    def _server_healthy(self, name: str, url: str, timeout: float = 2.0) -> bool:
+        if name == POSTGRES:
+            return pg.is_ready(int(url.rsplit(":", 1)[1]))
+        try:
+            if name == PREFECT_SERVER:
+                r = httpx.get(f"{url}/api/health", timeout=timeout)
+                return r.status_code == 200 and r.json() is True
+            r = httpx.get(f"{url}/health", timeout=timeout)
+            return r.status_code == 200
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def _wait_healthy(self, state: dict, names: list[str]) -> None:
+        comps = state["components"]
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        for name in names:
+            rec = comps[name]
+            while not self._server_healthy(name, rec["url"]):
+                if not self._alive(rec):
+                    raise StackError(f"{name} exited during start-up; {_log_tail(rec)}")
+                if time.monotonic() > deadline:
+                    raise StackError(f"{name} did not become healthy at {rec['url']} within "
+                                     f"{self.settings.start_timeout_s:g} s; {_log_tail(rec)}")
+                time.sleep(0.25)
+
+    def _configure_server(self, fresh: bool) -> None:
+        """Work pools, the gpu limit, result storage, crash automation and cluster info on the head's server."""
+        self._ensure_pools()
+        # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
+        self._ensure_gpu_limit(reset_slots=fresh)
+        # flow and task results go to the workers' result store, where every node can read them
+        prefect_results.configure(self.settings.prefect_api_url, self._results_root())
+        # lost nodes: runs whose heartbeats stop are set Crashed, so their parents relaunch them
+        cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s)
+        cluster.publish(self.settings.prefect_api_url, self._cluster_info())
+
+    def _ensure_pools(self) -> None:
+        """Create the process work pools `cpu` and `gpu` if missing (with Prefect's default process job template)."""
+        api = self.settings.prefect_api_url
+        with httpx.Client(base_url=api, timeout=30, transport=_RetryBusy()) as client:
+            for pool in POOLS:
+                r = client.get(f"/work_pools/{pool}")
+                if r.status_code == 200:
+                    if r.json().get("type") != "process":
+                        raise StackError(f"work pool {pool!r} exists with type {r.json().get('type')!r}, expected "
+                                         f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
+                    continue
+                from prefect.workers.process import ProcessWorker  # ~1 s import, only when a pool is missing
+
+                r = client.post("/work_pools/", json={
+                    "name": pool, "type": "process",
+                    "base_job_template": ProcessWorker.get_default_base_job_template(),
+                    "description": f"evaldag {'parent flows' if pool == CPU_POOL else 'shard flows, one per GPU'}"})
+                if r.status_code not in (200, 201, 409):
+                    raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
+
+    def _ensure_gpu_limit(self, reset_slots: bool = False) -> None:
+        """Create or update the global concurrency limit GPU_LIMIT: one slot per GPU of the `gpu` pool.
+
+        Shard flows hold `tensor_parallel_size` slots of it while generating (tasks/gpus.py). With no GPUs
+        (--gpus 0) the limit is made inactive, which Prefect treats as unlimited, so inline shards still run.
+        """
+        n = self.settings.num_gpus
+        body: dict[str, Any] = {"limit": n, "active": n > 0}
+        if reset_slots:
+            body.update(active_slots=0, denied_slots=0)
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, transport=_RetryBusy()) as client:
+            r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
+            if r.status_code == 404:
+                r = client.post("/v2/concurrency_limits/", json={"name": GPU_LIMIT, **body})
+                if r.status_code == 409:  # created meanwhile by another client: update it
+                    r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
+            if r.status_code not in (200, 201, 204):
+                raise StackError(f"could not create or update the concurrency limit {GPU_LIMIT!r}: "
+                                 f"HTTP {r.status_code} {r.text[:500]}")
+
+    def _check_head_pools(self) -> None:
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30) as client:
+            try:
+                r = client.get("/work_pools/gpu")
+            except httpx.HTTPError as e:
+                raise StackError(f"cannot reach the head's Prefect API at {self.settings.prefect_api_url}: {e}")
+        if r.status_code != 200:
+            raise StackError(f"the Prefect server at {self.settings.server} has no `gpu` work pool (HTTP "
+                             f"{r.status_code}); run `evaldag up` on the head first")
+
+    def _online_workers(self, state: dict, names: list[str], since: dict[str, float] | None = None) -> set[str]:
+        """Names of workers the server sees ONLINE (with a heartbeat after `since[name]`, when given)."""
+        comps = state["components"]
+        api = state["urls"]["prefect"] + "/api"
+        online: set[str] = set()
+        try:
+            with httpx.Client(base_url=api, timeout=2) as client:
+                for pool in {comps[n]["pool"] for n in names}:
+                    r = client.post(f"/work_pools/{pool}/workers/filter", json={})
+                    if r.status_code != 200:
+                        continue
+                    for w in r.json():
+                        name = w.get("name")
+                        if name not in names or comps[name]["pool"] != pool or w.get("status") != "ONLINE":
+                            continue
+                        if since is not None:
+                            beat = w.get("last_heartbeat_time")
+                            if not beat or datetime.fromisoformat(beat).timestamp() < since[name]:
+                                continue
+                        online.add(name)
+        except (httpx.HTTPError, ValueError):
+            pass
+        return online
+
+    def _wait_workers_online(self, state: dict, names: list[str]) -> None:
+        comps = state["components"]
+        since = {n: comps[n]["started_at"] for n in names}  # wall clock (create_time can be ~1 s early)
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        pending = set(names)
+        while pending:
+            pending -= self._online_workers(state, sorted(pending), since)
+            for name in sorted(pending):
+                rec = comps[name]
+                if not self._alive(rec):
+                    raise StackError(f"{name} exited during start-up; {_log_tail(rec)}")
+            if pending and time.monotonic() > deadline:
+                name = sorted(pending)[0]
+                raise StackError(f"{name} did not register with the Prefect server within "
+                                 f"{self.settings.start_timeout_s:g} s; {_log_tail(comps[name])}")
+            if pending:
+                time.sleep(0.5)

@@ -1,0 +1,272 @@
+"""Process supervision of the stack's components: start each in its own session with its log, recognise it again
+(pid *and* create time, so a recycled pid is never ours), stop whole process groups plus the descendants that left
+them, and sweep leftovers by their EVALDAG_STACK_ID.
+
+Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5): a worker whose SIGINT is inherited as ignored never
+stops on SIGTERM, so children get SIGINT reset to default; flow runs spawned by a worker run in their own sessions,
+so a process-group kill alone would miss them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from evaldag import paths
+from evaldag.errors import StackError
+from evaldag.stack.settings import MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, STACK_ID_ENV, StackSettings
+
+_CHILDREN: dict[int, subprocess.Popen] = {}  # components started by this process, reaped once they exit
+
+
+@dataclass
+class _Spec:
+    """How one component is started; `key` is what must match for a running component to be kept."""
+
+    name: str
+    kind: str  # "server", "worker" or "db" (stopped last, after the servers that use it)
+    argv: list[str]
+    env: dict[str, str]           # overrides on top of the caller's environment
+    cwd: Path
+    url: str | None = None
+    port: int | None = None
+    pool: str | None = None
+    key: dict[str, Any] = field(default_factory=dict)
+    popen: dict[str, Any] = field(default_factory=dict)  # extra subprocess.Popen arguments (user=, group=)
+
+
+STOP_ORDER = {"worker": 0, "server": 1, "db": 2}
+
+
+class ProcessSupervisor:
+    """Starting, recognising and stopping component processes (a part of `evaldag.stack.Stack`)."""
+
+    settings: StackSettings
+    home: Path
+    logs_dir: Path
+
+    def _spawn(self, spec: _Spec) -> dict:
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        spec.cwd.mkdir(parents=True, exist_ok=True)
+        if spec.name == MLFLOW_SERVER:
+            (self.home / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
+        if spec.name == PREFECT_SERVER:
+            (self.home / "prefect").mkdir(parents=True, exist_ok=True)
+        log = self.logs_dir / f"{spec.name}.log"
+        with open(log, "ab") as out:
+            offset = out.tell()
+            out.write(f"\n===== {datetime.now().isoformat(timespec='seconds')} evaldag starts {spec.name}: "
+                      f"{shlex.join(spec.argv)}\n".encode())
+            out.flush()
+            started_at = time.time()
+            proc = subprocess.Popen(spec.argv, cwd=spec.cwd, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_reset_sigint, **spec.popen)
+        _CHILDREN[proc.pid] = proc
+        return {
+            "kind": spec.kind, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
+            "argv": spec.argv, "url": spec.url, "port": spec.port, "pool": spec.pool, "key": spec.key,
+            "log": str(log), "log_offset": offset, "started_at": started_at,
+        }
+
+    def _proc(self, rec: dict) -> psutil.Process | None:
+        """The recorded process if it still runs and is the one we started (same pid *and* create time)."""
+        pid = rec.get("pid")
+        if not pid:
+            return None
+        self._reap(pid)
+        try:
+            p = psutil.Process(pid)
+            if abs(p.create_time() - rec["create_time"]) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+    def _alive(self, rec: dict) -> bool:
+        return self._proc(rec) is not None
+
+    def _reap(self, pid: int) -> None:
+        proc = _CHILDREN.get(pid)
+        if proc is not None and proc.poll() is not None:  # collect the exit status: no zombie in this process
+            del _CHILDREN[pid]
+
+    def _stop(self, state: dict, names: list[str]) -> None:
+        """Stop components: workers first (SIGINT, SIGTERM, SIGKILL), then servers (SIGTERM, SIGKILL), then the
+        database (SIGINT to the postmaster alone: PostgreSQL's fast shutdown, which stops its own children)."""
+        comps = state["components"]
+        names = [n for n in names if n in comps]
+        kinds = {n: comps[n]["kind"] if comps[n]["kind"] in STOP_ORDER else "server" for n in names}
+        for kind, signals in (("worker", (signal.SIGINT, signal.SIGTERM)), ("server", (signal.SIGTERM,)),
+                              ("db", (signal.SIGINT,))):
+            group = [comps[n] for n in names if kinds[n] == kind]
+            if group:
+                self._terminate(group, signals, leader_only=kind == "db")
+
+    def _terminate(self, recs: list[dict], signals: tuple[int, ...], leader_only: bool = False) -> None:
+        """Signal each component's process group (pgid == pid: each leads its own session), plus descendants that
+        left the group (flow runs run in their own sessions); escalate to SIGKILL; wait until all are gone."""
+        leaders: list[psutil.Process] = []
+        targets: dict[int, psutil.Process] = {}
+        loose: list[psutil.Process] = []
+        for rec in recs:
+            p = self._proc(rec)
+            if p is None:
+                continue
+            leaders.append(p)
+            members = [p, *_group_members(p.pid)]
+            in_group = {q.pid for q in members}
+            loose += [q for q in _safe(p.children, recursive=True) if q.pid not in in_group]
+            targets.update({q.pid: q for q in [*members, *loose]})
+        if not targets:
+            return
+        procs = list(targets.values())
+        for sig in (*signals, signal.SIGKILL):
+            for p in leaders:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if leader_only and sig != signal.SIGKILL:
+                        os.kill(p.pid, sig)
+                    else:
+                        os.killpg(p.pid, sig)
+            if sig != signal.SIGINT and not leader_only:  # a worker's SIGINT handler stops its own flow runs first
+                for p in loose:
+                    with contextlib.suppress(psutil.Error):
+                        p.send_signal(sig)
+            procs = self._wait_gone(procs, self.settings.stop_timeout_s if sig != signal.SIGKILL else 10)
+            if not procs:
+                return
+        raise StackError("could not stop pids " + ", ".join(str(p.pid) for p in procs) + " even with SIGKILL")
+
+    def _wait_gone(self, procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in procs:
+                self._reap(p.pid)
+            procs = [p for p in procs if _running(p)]
+            if not procs or time.monotonic() > deadline:
+                return procs
+            time.sleep(0.1)
+
+    def _sweep(self, stack_id: str) -> None:
+        """Kill leftovers of this stack (e.g. flow runs whose worker died earlier), found by their environment."""
+        mine = {os.getpid(), *(p.pid for p in _safe(psutil.Process().parents))}
+        leftovers = []
+        for p in psutil.process_iter():
+            if p.pid in mine:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if p.environ().get(STACK_ID_ENV) == stack_id:
+                    leftovers.append(p)
+        for p in leftovers:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self._wait_gone(leftovers, 10)
+
+    def _check_port_free(self, spec: _Spec) -> None:
+        host, port = ("127.0.0.1" if spec.name == POSTGRES else self.settings.host), spec.port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is not "busy"
+            try:
+                s.bind((host, port))
+                return
+            except OSError as e:
+                err = e
+        holder = _port_holder(port)
+        var, what = {PREFECT_SERVER: ("EVALDAG_PREFECT_PORT", "Prefect server"),
+                     POSTGRES: ("EVALDAG_POSTGRES_PORT", "PostgreSQL cluster")}.get(
+                         spec.name, ("EVALDAG_MLFLOW_PORT", "MLflow server"))
+        raise StackError(
+            f"port {port} on {host}, needed by the {what}, is busy ({err.strerror}): held by "
+            f"{holder or 'a process psutil cannot identify'}. Stop that program, or pick another port, e.g. "
+            f"`export {var}={_free_port(host)}` (then run `evaldag up` again)")
+
+
+def _reset_sigint() -> None:  # runs in the child between fork and exec
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _cli(name: str) -> str:
+    """The `prefect`/`mlflow` executable of this interpreter's environment (never one found on PATH)."""
+    exe = Path(sys.executable).parent / name
+    if not exe.exists():
+        raise StackError(f"`{name}` is not installed next to {sys.executable}; install evaldag's dependencies "
+                         f"into this environment (pip install -e .)")
+    return str(exe)
+
+
+def _repo() -> str:
+    """The checkout flow runs start in: $EVALDAG_REPO (e.g. a path all workers share), default this repository."""
+    return os.environ.get("EVALDAG_REPO") or str(paths.REPO_ROOT)
+
+
+def _tail(path: str | Path, offset: int = 0, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.rstrip().splitlines()[-lines:]) or "(empty log)"
+
+
+
+def _log_tail(rec: dict) -> str:
+    """`last lines of <log>:` and the lines a component wrote since it was started: the tail of every start error."""
+    return f"last lines of {rec['log']}:\n{_tail(rec['log'], rec.get('log_offset', 0))}"
+
+
+def _safe(fn: Any, **kwargs: Any) -> list:
+    try:
+        return list(fn(**kwargs))
+    except psutil.Error:
+        return []
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _group_members(pgid: int) -> list[psutil.Process]:
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, PermissionError, psutil.Error):
+            if p.pid != pgid and os.getpgid(p.pid) == pgid:
+                members.append(p)
+    return members
+
+
+def _port_holder(port: int) -> str | None:
+    try:
+        conns = psutil.net_connections(kind="inet")
+    except (psutil.Error, OSError):
+        return None
+    for c in conns:
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+            try:
+                p = psutil.Process(c.pid)
+                cmd = shlex.join(p.cmdline())[:160] or p.name()
+                return f"pid {c.pid} ({cmd})"
+            except psutil.Error:
+                return f"pid {c.pid}"
+    return None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,228 @@
+"""Settings of the local stack (`StackSettings`, from arguments and EVALDAG_* variables), its component names, and
+the rows `Stack.status()` and `Stack.up()` report."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from evaldag import cluster, paths
+from evaldag.errors import EvalDagError, StackError
+from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
+
+PREFECT_SERVER = "prefect-server"
+MLFLOW_SERVER = "mlflow-server"
+POSTGRES = "postgres"
+CPU_WORKER = "cpu-worker"
+SERVERS = (PREFECT_SERVER, MLFLOW_SERVER)
+STACK_ID_ENV = "EVALDAG_STACK_ID"
+STATE_VERSION = 1
+
+# EVALDAG_* variables that configure the stack itself; every other EVALDAG_* variable is passed to the workers and,
+# when it changes, restarts them (a flow must see the data/models/results folders the user asked for).
+_STACK_ENV = {
+    "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_GPU_WORKERS",
+    "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
+    "EVALDAG_ADVERTISE_HOST", "EVALDAG_DATABASE_URL", "EVALDAG_POSTGRES", "EVALDAG_POSTGRES_PORT",
+    "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME",
+}
+_WILDCARD = ("0.0.0.0", "::", "")
+
+
+class StackSettings(BaseModel):
+    """Where and how the local stack runs. `from_env()` reads the EVALDAG_* overrides."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    home: Path = Field(default_factory=paths.home, description="State directory (EVALDAG_HOME, default ~/.evaldag).")
+    host: str = Field("127.0.0.1", description="Interface both servers bind to (EVALDAG_HOST).")
+    prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server port (EVALDAG_PREFECT_PORT).")
+    mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow server port (EVALDAG_MLFLOW_PORT).")
+    num_gpus: int = Field(
+        1, ge=0, le=64, validation_alias=AliasChoices("num_gpus", "gpu_workers"),
+        description="GPUs (on a CPU box: shard slots) of the `gpu` pool; `--gpus`, EVALDAG_GPU_WORKERS. Also the "
+                    f"limit of the Prefect global concurrency limit {GPU_LIMIT!r}.")
+    tp: int = Field(1, ge=1, le=64, description="GPUs per gpu worker (`--tp`, EVALDAG_TP): num_gpus // tp workers, "
+                                                "one shard at a time each.")
+    gpus: tuple[str, ...] | None = Field(
+        None, description="GPU ids, tp per worker via CUDA_VISIBLE_DEVICES (EVALDAG_GPUS=0,1). "
+        "None: nothing to pin (CPU box); workers inherit the caller's CUDA_VISIBLE_DEVICES.")
+    cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
+    worker_query_seconds: float = Field(
+        1, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
+    start_timeout_s: float = Field(180, gt=0, description="How long a server or worker may take to become healthy.")
+    stop_timeout_s: float = Field(10, gt=0, description="Grace period per signal (SIGINT, SIGTERM) before SIGKILL.")
+    advertise_host: str | None = Field(
+        None, description="Address worker nodes reach this head by (EVALDAG_ADVERTISE_HOST); default: `host`, or "
+                          "this machine's address when `host` is 0.0.0.0.")
+    heartbeat_s: int = Field(
+        cluster.MIN_HEARTBEAT_S, ge=cluster.MIN_HEARTBEAT_S,
+        description="Seconds between flow-run heartbeats of the workers (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, "
+                    "EVALDAG_HEARTBEAT_S); a run silent for 3 periods is set Crashed by the head's automation.")
+    database_url: str | None = Field(
+        None, description="SQLAlchemy URL of the Prefect server's database (EVALDAG_DATABASE_URL), e.g. "
+                          "postgresql+asyncpg://user:pw@db:5432/prefect; default: SQLite in <home>/prefect.")
+    postgres: bool = Field(False, description="Run the Prefect server on a private PostgreSQL cluster that the "
+                                              "stack starts (EVALDAG_POSTGRES=1, `--postgres`).")
+    postgres_port: int = Field(5433, ge=1, le=65535, description="Port of that cluster on 127.0.0.1.")
+    postgres_dir: Path | None = Field(None, description="Folder of that cluster (EVALDAG_POSTGRES_DIR); default "
+                                                        "evaldag.postgres.default_dir(home).")
+    server: str | None = Field(
+        None, description="Set on a worker node: the head's Prefect URL (http://head:4200). The node runs only "
+                          "gpu workers, configured from the head (evaldag.cluster) and `worker_env`.")
+    node_name: str = Field(default_factory=socket.gethostname, min_length=1,
+                           description="Name of a worker node (EVALDAG_NODE_NAME): prefix of its workers' names.")
+    worker_env: dict[str, str] = Field(default_factory=dict, description="Variables a worker node's workers get "
+                                       "over the head's (`evaldag worker --env K=V`, --mlflow-url, --results-url).")
+
+    @model_validator(mode="after")
+    def _database_choice(self) -> StackSettings:
+        if self.postgres and self.database_url:
+            raise ValueError("--postgres starts a private PostgreSQL cluster and --database-url names another "
+                             "database; give one of them")
+        url = self.database_url
+        if url and not url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
+            hint = ("postgresql+asyncpg://" + url.split("://", 1)[1]) if url.startswith(("postgres://",
+                                                                                         "postgresql://")) else None
+            raise ValueError(f"database_url {url!r} is not one the Prefect server can use: it needs "
+                             "postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (or sqlite+aiosqlite:///PATH)"
+                             + (f"; did you mean {hint}?" if hint else ""))
+        return self
+
+    @field_validator("server")
+    @classmethod
+    def _server_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return cluster.server_url(value)
+        except StackError as e:
+            raise ValueError(str(e)) from None
+
+    @model_validator(mode="after")
+    def _gpus_match_workers(self) -> StackSettings:
+        if self.gpus is not None and len(self.gpus) != self.num_gpus:
+            raise ValueError(f"gpus={list(self.gpus)} names {len(self.gpus)} GPUs but num_gpus={self.num_gpus} "
+                             "(--gpus); name exactly one id per GPU")
+        try:
+            assign_gpus(self.num_gpus, self.tp, self.gpus)
+        except EvalDagError as e:
+            raise ValueError(str(e)) from None
+        if self.prefect_port == self.mlflow_port:
+            raise ValueError(f"prefect_port and mlflow_port are both {self.prefect_port}")
+        return self
+
+    @property
+    def gpu_workers(self) -> int:
+        """Workers on the `gpu` pool: one per `tp` GPUs."""
+        return self.num_gpus // self.tp
+
+    @property
+    def gpu_assignment(self) -> list[tuple[str, ...] | None]:
+        """CUDA_VISIBLE_DEVICES ids of each gpu worker (None: not pinned); see evaldag.gpus.assign_gpus."""
+        return assign_gpus(self.num_gpus, self.tp, self.gpus)
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> StackSettings:
+        """Settings from EVALDAG_* variables; keyword overrides (e.g. from CLI options, None = unset) win.
+
+        When the number of GPUs is asked for (`--gpus`/EVALDAG_GPU_WORKERS) without naming them (EVALDAG_GPUS),
+        the workers are pinned to the GPUs this machine shows (the caller's CUDA_VISIBLE_DEVICES, else
+        `nvidia-smi -L`), the first tp to the first worker and so on; on a machine without GPUs nothing is pinned
+        and each worker is just a slot. Without either, one unpinned worker, as before.
+        """
+        env = os.environ
+        values: dict[str, Any] = {}
+        if "gpu_workers" in overrides:  # the old keyword of --gpu-workers
+            legacy = overrides.pop("gpu_workers")
+            if overrides.get("num_gpus") is None:
+                overrides["num_gpus"] = legacy
+        for key, var in (("host", "EVALDAG_HOST"), ("prefect_port", "EVALDAG_PREFECT_PORT"),
+                         ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("num_gpus", "EVALDAG_GPU_WORKERS"),
+                         ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS"),
+                         ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
+                         ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
+                         ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME")):
+            if env.get(var):
+                values[key] = env[var]
+        if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
+            values["postgres"] = True
+        if env.get("EVALDAG_GPUS"):
+            values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
+            values.setdefault("num_gpus", len(values["gpus"]))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if overrides.get("gpus") is not None:
+            values["gpus"] = tuple(str(g) for g in overrides["gpus"])
+            if overrides.get("num_gpus") is None:
+                values["num_gpus"] = len(values["gpus"])
+        try:
+            num_gpus, tp = int(values.get("num_gpus", 1)), int(values.get("tp", 1))
+            if values.get("gpus") is None and values.get("num_gpus") is not None:
+                values["gpus"] = _detected_gpus(num_gpus)
+            assign_gpus(num_gpus, tp, values.get("gpus"))  # the GPU layout's errors, in words (not pydantic's)
+            return cls(**values)
+        except EvalDagError as e:
+            raise StackError(str(e)) from None
+        except ValueError as e:  # pydantic's ValidationError is a ValueError
+            raise StackError(f"invalid stack settings: {e}") from None
+
+    @property
+    def local_host(self) -> str:
+        """The address clients on this machine use: `host`, or 127.0.0.1 when the servers listen everywhere."""
+        return "127.0.0.1" if self.host in _WILDCARD else self.host
+
+    @property
+    def public_host(self) -> str:
+        """The address other hosts use (advertise_host, else evaldag.cluster.public_host(host))."""
+        return self.advertise_host or cluster.public_host(self.host)
+
+    @property
+    def prefect_url(self) -> str:
+        """The Prefect server for this machine's clients (a worker node: the head's)."""
+        return self.server or f"http://{self.local_host}:{self.prefect_port}"
+
+    @property
+    def prefect_api_url(self) -> str:
+        return f"{self.prefect_url}/api"
+
+    @property
+    def mlflow_url(self) -> str:
+        return f"http://{self.local_host}:{self.mlflow_port}"
+
+
+class ComponentStatus(NamedTuple):
+    """One row of `Stack.status()`."""
+
+    component: str
+    pid: int | None
+    alive: bool
+    healthy: bool
+    url: str | None
+
+
+@dataclass
+class UpReport:
+    """What `Stack.up()` did."""
+
+    started: list[str] = field(default_factory=list)      # components started (or restarted) by this call
+    kept: list[str] = field(default_factory=list)         # components that were already running as asked
+    stopped: list[str] = field(default_factory=list)      # components stopped because they are no longer wanted
+    deployed: bool = False
+    elapsed_s: float = 0.0
+    status: list[ComponentStatus] = field(default_factory=list)
+
+
+def _detected_gpus(num_gpus: int) -> tuple[str, ...] | None:
+    """The first `num_gpus` GPU ids of this machine (evaldag.gpus.detect_gpu_ids), None on a machine without GPUs."""
+    ids = detect_gpu_ids()
+    if ids is None:
+        return None
+    if len(ids) < num_gpus:
+        raise StackError(f"--gpus {num_gpus} asks for more GPUs than this machine shows: {len(ids)} "
+                         f"({','.join(ids)}); use --gpus {len(ids)} or name the GPUs with EVALDAG_GPUS")
+    return ids[:num_gpus]
