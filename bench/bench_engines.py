@@ -1,7 +1,7 @@
 """Generation throughput of the transformers engine against the vLLM engine, same prompts, greedy, one process.
 
-Runs in the vLLM venv (it has both engines): `make setup-vllm model`, then
-  .venv-vllm/bin/python bench/bench_engines.py [--prompts 32] [--max-new-tokens 128] [--batch-size 32]
+After `make model` (`make bench-vllm`):
+  .venv/bin/python bench/bench_engines.py [--prompts 32] [--max-new-tokens 128] [--batch-size 32]
 Each engine is started, timed on the same MATH-500 prompts with the same batches, and closed before the next starts
 (never two models generating at once). Engine start (model load; for vLLM also its engine-core process, KV cache and
 warm-up) is reported apart from generation; tok/s counts generated tokens over generation wall time.

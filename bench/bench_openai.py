@@ -1,7 +1,7 @@
 """Generation through a running `vllm serve` (the openai engine) against vLLM in-process (the vllm engine).
 
-Runs in the vLLM venv: `make setup-vllm model`, then
-  .venv-vllm/bin/python bench/bench_openai.py [--prompts 32] [--max-new-tokens 128] [--concurrency 32]
+After `make model`:
+  .venv/bin/python bench/bench_openai.py [--prompts 32] [--max-new-tokens 128] [--concurrency 32]
 One after the other, never both at once: a vllm server on a free port (CPU settings of the tests) with the openai
 engine's generate over the MATH-500 prompts, then the server stopped and the vllm engine's generate over the same
 prompts. Prints server/engine start, generation wall, tok/s and the ratio openai/vllm (tok/s).

