@@ -152,9 +152,11 @@ class ProcessSupervisor:
     def _wait_gone(self, procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
         deadline = time.monotonic() + timeout
         while True:
+            running = [p for p in procs if _running(p)]
+            # reaped after the check: a child that exits between the two is collected now, not left a zombie
             for p in procs:
                 self._reap(p.pid)
-            procs = [p for p in procs if _running(p)]
+            procs = running
             if not procs or time.monotonic() > deadline:
                 return procs
             time.sleep(0.1)
