@@ -144,7 +144,9 @@ def run_engine_only(limit: int) -> float:
                 got.engine.generate(prompts, bench.sampling)
         """)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    # the same data as the flow's workers: the local mirror beside the project unless EVALDAG_DATA_DIR says otherwise
+    env = {**os.environ, "EVALDAG_DATA_DIR": os.environ.get("EVALDAG_DATA_DIR", str(REPO.parent / "shared" / "data"))}
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env)
     return time.perf_counter() - t0
 
 
