@@ -219,7 +219,7 @@ def main() -> None:
     m = summary["metrics"]
     print(f"evaldag full flow:       {wall:7.1f} s  (accuracy {m['accuracy']:.3f}; engine start "
           f"{m['model_load_s']:.1f} s, generation {m['generation_s']:.1f} s at {m['generation_tokens_per_s']:.0f} "
-          f"tok/s, grading {m['grading_s']:.1f} s, {int(m.get('num_shards', 0)) or ''} shards)", flush=True)
+          f"tok/s, grading {m['grading_s']:.1f} s, engine loads {m.get('engine_loads', 0):.0f})", flush=True)
     engine = run_engine_only(args.limit)
     print(f"engine only:             {engine:7.1f} s", flush=True)
     if peer:
