@@ -14,7 +14,7 @@ Prints the three walls and the ratios full flow / lm-eval and full flow / engine
 With --event it also times a trainer's quick slice (a checkpoint event with extra.limit=4 on GSM8K, from sending
 the event to the MLflow run logged) and counts the engine loads of an event naming math500 + aime24.
 
-    .venv/bin/python bench/bench_peer.py [--limit 64] [--skip-peer] [--event]
+    .venv/bin/python bench/bench_peer.py [--limit 64] [--skip-peer] [--event | --event-only]
 """
 
 from __future__ import annotations
@@ -154,12 +154,14 @@ def run_event(stack_home: Path | None) -> None:
     """A trainer's quick slice through the on-checkpoint deployment, and the engine loads of a two-benchmark event."""
     from mlflow import MlflowClient
 
+    from evaldag import paths
     from evaldag.checkpoints import allowed_roots_from_env
     from evaldag.models import resolve_model
     from evaldag.tracking import experiment_name
     from evaldag.trainer import CheckpointNotifier
 
-    root = allowed_roots_from_env()[0]
+    # where the stack's workers accept checkpoints from (evaldag up's default when EVALDAG_CHECKPOINT_ROOTS is unset)
+    root = (allowed_roots_from_env() or [paths.REPO_ROOT / "runs"])[0]
     tag = f"bench-{random.randrange(10**6)}"
     src = Path(resolve_model("smollm2-135m-instruct").path)
     client = MlflowClient()
@@ -201,6 +203,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=64)
     ap.add_argument("--skip-peer", action="store_true", help="only evaldag's figures")
     ap.add_argument("--event", action="store_true", help="also time the checkpoint-event quick slice")
+    ap.add_argument("--event-only", action="store_true", help="only the checkpoint-event figures")
     args = ap.parse_args()
 
     from evaldag.models import resolve_model
@@ -210,6 +213,9 @@ def main() -> None:
     point_clients_at_stack(Stack(StackSettings.from_env()))
     data = Path(os.environ.get("EVALDAG_DATA_DIR", REPO.parent / "shared" / "data")) / "math500" / "test.jsonl"
     model = resolve_model("smollm2-135m-instruct").path
+    if args.event_only:
+        run_event(None)
+        return
     print(f"workload: the first {args.limit} MATH-500 problems, greedy, 512 new tokens, {model}", flush=True)
     peer = None
     if not args.skip_peer:
