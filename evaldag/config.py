@@ -109,7 +109,10 @@ class ModelConfig(_Strict):
     hub_id: str | None = Field(None, description="model id on the hub (source hub)")
     revision: str | None = Field(None, description="hub revision (source hub); for source server, a label of the "
                                                    "served weights: change it when they change under the same name")
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] | None = Field(
+        None, description="weights and compute dtype; default (null): the deployment's default, bfloat16 on a GPU "
+                          "or a CPU with bf16 instructions, float32 on other CPUs, unless EVALDAG_DEFAULT_DTYPE "
+                          "says otherwise (evaldag.engines.dtype.default_dtype)")
     engine: EngineName | None = Field(
         None, description="inference engine; default (null): the deployment's default engine, vllm unless "
                           "EVALDAG_DEFAULT_ENGINE says otherwise (evaldag.engines.default_engine)")

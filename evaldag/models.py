@@ -18,6 +18,7 @@ from pathlib import Path
 from evaldag import config as cfgmod
 from evaldag import paths
 from evaldag.engines import default_engine
+from evaldag.engines.dtype import default_dtype
 from evaldag.errors import CheckpointError
 from evaldag.rules import check_checkpoint
 
@@ -101,14 +102,15 @@ def prepare_alias(model: cfgmod.ModelConfig) -> Path:
             raise CheckpointError(f"cannot download {model.hub_id}@{model.revision} from the hub: {e}") from None
     gguf = locate_package_file(model.package, model.file)
     digest = _sha256_file(gguf)
-    out = paths.models_dir() / f"{model.name}-{digest[:16]}-{model.dtype}"
+    dtype = model.dtype or default_dtype()
+    out = paths.models_dir() / f"{model.name}-{digest[:16]}-{dtype}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Export into a private temp folder, then rename: a crash or a concurrent export never leaves a half folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        export_gguf(gguf, tmp, model.dtype)
+        export_gguf(gguf, tmp, dtype)
         (tmp / "evaldag-source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": digest}))
         try:
             os.rename(tmp, out)
@@ -133,7 +135,8 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
             return _resolve_served(alias)
         folder = prepare_alias(alias)
         validate_checkpoint(folder)
-        return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder), dtype=alias.dtype,
+        return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder),
+                             dtype=alias.dtype or default_dtype(),
                              engine=alias.engine or default_engine(), batch_size=alias.batch_size,
                              engine_args=dict(alias.engine_args))
     folder = Path(checkpoint).expanduser()
@@ -144,7 +147,7 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
     validate_checkpoint(folder)
     defaults = cfgmod.ModelConfig(name=folder.name, source="path", path=str(folder))
     return ResolvedModel(name=folder.name, path=str(folder), fingerprint=fingerprint(folder),
-                         dtype=defaults.dtype, engine=defaults.engine or default_engine(),
+                         dtype=defaults.dtype or default_dtype(), engine=defaults.engine or default_engine(),
                          batch_size=defaults.batch_size)
 
 
@@ -155,7 +158,8 @@ def _resolve_served(alias: cfgmod.ModelConfig) -> ResolvedModel:
     from evaldag.engines.openai import describe_server
 
     label, fp = describe_server(alias.engine_args, alias.revision)
-    return ResolvedModel(name=alias.name, path=label, fingerprint=fp, dtype=alias.dtype, engine=alias.engine,
+    return ResolvedModel(name=alias.name, path=label, fingerprint=fp, dtype=alias.dtype or default_dtype(),
+                         engine=alias.engine,
                          batch_size=alias.batch_size, engine_args=dict(alias.engine_args))
 
 

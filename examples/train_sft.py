@@ -26,7 +26,8 @@ Training, kept readable:
 - Order: a fixed function of (seed, step): each epoch is a seeded permutation of the rows, so a resumed run sees
   exactly the batches the uninterrupted run would have seen.
 - Model: loaded in float32 for training (bf16 weights lose small AdamW updates to rounding), AdamW, gradient
-  clipping at 1.0; checkpoints are saved in bfloat16, the dtype the evaluation loads the default model in.
+  clipping at 1.0; checkpoints are saved in bfloat16 (half the disk; the evaluation runs them in its host's
+  default dtype, float32 on a CPU without bf16 instructions, which holds bf16 values exactly).
 - Checkpoint folder: config.json, model.safetensors, generation_config.json, the tokenizer files,
   trainer_state.json (step, epoch, EvalTrigger state, loss history) and optimizer.pt (AdamW state). It is written
   to `<output-dir>/.tmp-checkpoint-<step>` and renamed into place, and only then announced: an evaluation never

@@ -239,7 +239,8 @@ def perturbed_reference(tmp_path_factory) -> Path:
         if f.name != "model.safetensors":
             (dst / f.name).write_bytes(f.read_bytes())    # copies: the source folder's files are hard-linked elsewhere
     weights = load_file(src / "model.safetensors")
-    weights["model.norm.weight"] = (weights["model.norm.weight"].float() * 0.7).to(torch.bfloat16)
+    norm = weights["model.norm.weight"]
+    weights["model.norm.weight"] = (norm.float() * 0.7).to(norm.dtype)
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 

@@ -6,6 +6,7 @@ import polars as pl
 import pytest
 
 from evaldag.engines import DEFAULT_ENGINE_ENV, default_engine
+from evaldag.engines.dtype import DEFAULT_DTYPE_ENV
 from evaldag.errors import ConfigError
 from evaldag.models import resolve_model
 from evaldag.plan import MIN_PROBLEMS_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, resolve, shard_count
@@ -182,7 +183,8 @@ CASES = [
     ("engine", lambda w: {"engine": "vllm"}, ALL),
     ("engine_args", lambda w: w.write_alias(engine_args={"cache_implementation": "dynamic"}), ALL),
     ("batch size", lambda w: w.write_alias(batch_size=8), ALL),
-    ("dtype", lambda w: w.write_alias(dtype="float32"), ALL),
+    ("dtype", lambda w: w.write_alias(dtype="float16"), ALL),        # float16 is never the host default
+    ("default dtype", lambda w: w.monkeypatch.setenv(DEFAULT_DTYPE_ENV, "float16"), ALL),
     ("shards", lambda w: {"num_shards": 2}, ALL),
     ("pipeline version", lambda w: w.monkeypatch.setattr(planmod, "PIPELINE_VERSION", "next"), ALL),
     ("grader version", lambda w: w.monkeypatch.setattr(planmod, "GRADER_VERSION", "next"), GRADING),

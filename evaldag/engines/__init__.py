@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 
 from evaldag.engines.base import Completion, Engine
+from evaldag.engines.dtype import has_accelerator, slow_dtype_hint
 from evaldag.errors import ConfigError, MissingDependencyError
 
 # name -> (module, class, what to install when the module's dependencies are missing)
@@ -23,6 +25,8 @@ _BUILTIN_DEFAULT = "vllm"       # the fast engine: continuous batching, 3-4x tra
 # Engines that give the exact per-position KL to a reference over the whole vocabulary (score_with_reference);
 # with any other, only the sampled tokens' log-probabilities are available (see evaldag.kl).
 EXACT_KL_ENGINES = frozenset({"hf"})
+# engines that run the weights in this process (the dtype hint concerns them, not a server)
+_LOCAL_WEIGHTS = frozenset({"hf", "vllm"})
 # what load_engine passes itself; everything else an engine takes is an engine_arg
 _COMMON = ("model_path", "dtype", "batch_size")
 
@@ -68,6 +72,8 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
         raise MissingDependencyError(f"engine {name!r} needs {e.name}: {install}") from None
     cls = getattr(mod, cls_name)
     _check_engine_args(name, cls, engine_args)
+    if name in _LOCAL_WEIGHTS and (hint := slow_dtype_hint(dtype, on_cpu=not has_accelerator())):
+        logging.getLogger("evaldag").warning("%s: %s", model_path, hint)
     return cls(model_path=model_path, dtype=dtype, batch_size=batch_size, **engine_args)
 
 
