@@ -30,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -151,6 +152,20 @@ def run_engine_only(limit: int) -> float:
     return time.perf_counter() - t0
 
 
+def print_timeline(since: datetime) -> None:
+    """Where the quick slice's time went: each flow run since `since`, when it was created, started and ended."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)))
+        flows = {f.id: f.name for f in client.read_flows()}
+    print("  flow run timeline (s after the event was sent: created / started / ended):")
+    for r in sorted(runs, key=lambda r: r.start_time):
+        at = [(t - since).total_seconds() if t else float("nan") for t in (r.created, r.start_time, r.end_time)]
+        print(f"    {flows.get(r.flow_id, '?'):<22} {at[0]:6.1f} {at[1]:6.1f} {at[2]:6.1f}  {r.state_name}")
+
+
 def run_event(stack_home: Path | None) -> None:
     """A trainer's quick slice through the on-checkpoint deployment, and the engine loads of a two-benchmark event."""
     from mlflow import MlflowClient
@@ -159,7 +174,6 @@ def run_event(stack_home: Path | None) -> None:
     from evaldag.checkpoints import allowed_roots_from_env
     from evaldag.models import resolve_model
     from evaldag.tracking import experiment_name
-    from evaldag.trainer import CheckpointNotifier
 
     # where the stack's workers accept checkpoints from (evaldag up's default when EVALDAG_CHECKPOINT_ROOTS is unset)
     root = (allowed_roots_from_env() or [paths.REPO_ROOT / "runs"])[0]
@@ -186,12 +200,23 @@ def run_event(stack_home: Path | None) -> None:
             time.sleep(1)
         raise SystemExit(f"no MLflow runs for {benchmarks} of {tag} step {step} after {timeout} s")
 
+    try:
+        _time_event(tag, checkpoint, wait_runs)
+    finally:
+        # the stack's sweeper evaluates every unevaluated checkpoint it finds under the root: leave none behind
+        shutil.rmtree(root / tag, ignore_errors=True)
+
+
+def _time_event(tag: str, checkpoint, wait_runs) -> None:
+    from evaldag.trainer import CheckpointNotifier
+
     notifier = CheckpointNotifier(train_run=tag, benchmarks=["gsm8k"])
-    t0 = time.perf_counter()
+    t0, sent = time.perf_counter(), datetime.now(timezone.utc)
     notifier.notify(checkpoint(1), 1, limit=4)
     wait_runs(["gsm8k"], 1)
     print(f"quick slice (gsm8k, extra.limit=4) from event to MLflow run: {time.perf_counter() - t0:.1f} s "
           "(target <= 60 s)")
+    print_timeline(sent)
     notifier = CheckpointNotifier(train_run=tag, benchmarks=["math500", "aime24"])
     notifier.notify(checkpoint(2), 2, limit=4)
     runs = wait_runs(["math500", "aime24"], 2)
