@@ -20,11 +20,9 @@ from prefect.utilities.annotations import unmapped
 
 from evaldag.deployments import EVAL_FLOW
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
+from evaldag.progress import evaluation_progress
 from evaldag.report import headline_table, summary_markdown
-from flows.shard_flow import shard_flow
-from tasks.evaluation_progress import evaluation_progress
-from tasks.gpus import pool_gpu_slots
-from tasks.launch import launch_shard
+from flows.shard_flow import launch_shard, pool_gpu_slots, shard_flow
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
 from tasks.track import track_task

@@ -180,10 +180,10 @@ def test_cli_up_rejects_a_bad_layout_before_starting_anything(tmp_path):
 
 @pytest.fixture
 def slots(monkeypatch):
-    """tasks.gpus with the limit lookup and Prefect's concurrency() replaced by fakes; records what was acquired."""
+    """flows.shard_flow's GPU slots with the limit lookup and Prefect's concurrency() replaced by fakes; records what was acquired."""
     import prefect.concurrency.sync
 
-    from tasks import gpus as task_gpus
+    from flows import shard_flow as task_gpus
 
     acquired: list[tuple] = []
 

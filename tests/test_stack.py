@@ -238,7 +238,7 @@ def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
     from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.gpus import gpu_slots
+    from flows.shard_flow import gpu_slots
 
     s = stack.settings
     limit = _gpu_limit(stack)
