@@ -105,7 +105,7 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
                    if plan.reference is not None or not plan.generations_path(shard_index).is_file()]
     gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)
     # engines close (keep_loaded ends) before the slots go back
-    with gpu_slots(gpus) if gpus else contextlib.nullcontext(), keep_loaded():
+    with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded():
         for path in paths:
             generate_task(path, shard_index)
     graded = [grade_task(path, shard_index) for path in paths]
@@ -161,7 +161,7 @@ def _read_limit(name: str):
 
 
 @contextlib.contextmanager
-def gpu_slots(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
+def hold_gpus(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
     """Hold `tp` slots of the global concurrency limit `name` for the duration of the block (see module doc)."""
     from prefect.concurrency.sync import concurrency
 
@@ -185,7 +185,7 @@ def gpu_slots(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
         yield
 
 
-def pool_gpu_slots(name: str = GPU_LIMIT) -> int:
+def pool_num_gpus(name: str = GPU_LIMIT) -> int:
     """GPUs of the gpu pool as the `evaldag-gpus` limit counts them (1 when it is missing or inactive: without the
     limit nothing says how many shards can run at once, and one shard never waits behind another)."""
     limit = _read_limit(name)
