@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from evaldag.errors import EvalDagError
+from evaldag.errors import EvalDagError, warn_deprecated
 
 
 class _Group(TyperGroup):
@@ -55,10 +55,12 @@ app = typer.Typer(
 @app.command()
 def up(
     gpus: Annotated[Optional[int], typer.Option(
-        "--gpus", "--gpu-workers", min=0, help="GPUs of the `gpu` pool: --gpus/--tp workers, each pinned to --tp "
+        "--gpus", min=0, help="GPUs of the `gpu` pool: --gpus/--tp workers, each pinned to --tp "
         "GPUs (CUDA_VISIBLE_DEVICES from EVALDAG_GPUS, else the GPUs this machine shows); on a machine without GPUs, "
-        "shard slots. Also the limit of the `evaldag-gpus` concurrency limit (env EVALDAG_GPU_WORKERS; default 1).",
+        "shard slots. Also the limit of the `evaldag-gpus` concurrency limit (env EVALDAG_NUM_GPUS; default 1).",
         show_default=False)] = None,
+    gpu_workers: Annotated[Optional[int], typer.Option(
+        "--gpu-workers", min=0, help="Deprecated old name of --gpus.", show_default=False)] = None,
     tp: Annotated[Optional[int], typer.Option(
         "--tp", min=1, help="GPUs per gpu worker, for tensor-parallel models (vllm tensor_parallel_size); --gpus "
         "must be a multiple of it (env EVALDAG_TP; default 1).", show_default=False)] = None,
@@ -88,6 +90,9 @@ def up(
 
     from evaldag.stack import Stack, StackSettings
 
+    if gpu_workers is not None:
+        warn_deprecated("--gpu-workers", "--gpus")
+        gpus = gpu_workers if gpus is None else gpus
     console = Console(highlight=False)
     stack = Stack(StackSettings.from_env(num_gpus=gpus, tp=tp, host=host, advertise_host=advertise_host,
                                          database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s))
@@ -111,7 +116,7 @@ def _print_up(console, stack, report) -> None:
     console.print(f"  MLflow UI:  {stack.mlflow_url}")
     st = stack.settings
     pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
-    console.print(f"  gpu pool:   {st.gpu_workers} worker(s) x {st.tp} GPU(s) [{pins or 'none'}], concurrency "
+    console.print(f"  gpu pool:   {st.num_gpu_workers} worker(s) x {st.tp} GPU(s) [{pins or 'none'}], concurrency "
                   f"limit evaldag-gpus = {st.num_gpus}", markup=False)
     if st.postgres or st.database_url:
         db = f"private PostgreSQL in {stack.postgres_dir}" if st.postgres else "as given by --database-url"
@@ -185,7 +190,7 @@ def worker(
     pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
     console.print(f"[green]node {st.node_name} joined {st.server}[/] ({report.elapsed_s:.1f} s, state in "
                   f"{stack.home})")
-    console.print(f"  gpu workers: {st.gpu_workers} x {st.tp} GPU(s) [{pins}]", markup=False)
+    console.print(f"  gpu workers: {st.num_gpu_workers} x {st.tp} GPU(s) [{pins}]", markup=False)
     console.print(f"  MLflow:      {stack.mlflow_url}", markup=False)
 
 

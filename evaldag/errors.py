@@ -23,3 +23,11 @@ class StackError(EvalDagError):
 
 class MissingDependencyError(EvalDagError):
     """An optional dependency is not installed; the message says what to install."""
+
+
+def warn_deprecated(old: str, new: str) -> None:
+    """Say on one line that `old` (a command-line option, environment variable or settings key) still works but is
+    deprecated, and which name replaces it."""
+    import logging
+
+    logging.getLogger("evaldag").warning("warning: %s is deprecated; use %s", old, new)

@@ -179,11 +179,11 @@ def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
     return [s for s in shards if s]
 
 
-def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gpu_slots: int = 1) -> EvalPlan:
+def resolve(request: EvalRequest, results_root: str | PathLike | None = None, num_gpus: int = 1) -> EvalPlan:
     """Run the resolve stage: load config, model and data; write plan.json and inputs.parquet; return the plan.
 
-    `gpu_slots`: GPUs of the gpu pool (the `evaldag-gpus` limit); the default shard count fits the shards that can
-    run at once, gpu_slots // GPUs per shard."""
+    `num_gpus`: GPUs of the gpu pool (the `evaldag-gpus` limit); the default shard count fits the shards that can
+    run at once, num_gpus // GPUs per shard."""
     bench = load_benchmark(request.benchmark)
     sampling = merge_sampling(bench.sampling, request.sampling)
     model = resolve_model(request.checkpoint)
@@ -192,7 +192,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, gp
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
     per_shard = shard_gpus(model)       # 0 for a served model: its shards hold no gpu slot
-    slots = max(1, gpu_slots // per_shard if per_shard else gpu_slots)
+    slots = max(1, num_gpus // per_shard if per_shard else num_gpus)
     num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards)
     shards = plan_shards(data.inputs, num_shards)
     pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)

@@ -76,7 +76,8 @@ def record_reused(plan: EvalPlan, shard: int) -> None:
 
 
 # progress(problems done, problems in the shard, tokens generated so far): called as generation starts and after
-# each completed batch; the orchestration layer publishes it (tasks/generate.py: a Prefect progress artifact)
+# each completed batch; the orchestration layer publishes it (evaldag.progress.artifact_progress: a Prefect
+# progress artifact)
 Progress = Callable[[int, int, int], None]
 
 

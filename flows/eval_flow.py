@@ -20,11 +20,9 @@ from prefect.utilities.annotations import unmapped
 
 from evaldag.deployments import EVAL_FLOW
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
+from evaldag.progress import evaluation_progress
 from evaldag.report import headline_table, summary_markdown
-from flows.shard_flow import shard_flow
-from tasks.evaluation_progress import evaluation_progress
-from tasks.gpus import pool_gpu_slots
-from tasks.launch import launch_shard
+from flows.shard_flow import launch_shard, pool_num_gpus, shard_flow
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
 from tasks.track import track_task
@@ -60,8 +58,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                   train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine)
                 for name in names]     # every request is checked before anything is resolved
     # inline shards run one after another: more than one only repeats the engine load
-    gpu_slots = pool_gpu_slots() if dispatch == "deployment" else 1
-    plan_paths = [resolve_task(request, gpu_slots) for request in requests]
+    num_gpus = pool_num_gpus() if dispatch == "deployment" else 1
+    plan_paths = [resolve_task(request, num_gpus) for request in requests]
     plans = [load_plan(path) for path in plan_paths]
     # slot s runs shard s of every plan that has one, on one engine load
     groups = [[path for path, plan in zip(plan_paths, plans) if plan.num_shards > s]

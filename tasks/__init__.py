@@ -1,4 +1,5 @@
-"""Prefect tasks: one module per stage, thin wrappers that add retries, timeouts and logging to core functions."""
+"""Prefect tasks of the parent flows, one module each, thin wrappers that add retries, timeouts and logging to core
+functions (the shard's own tasks live with its flow, in flows/shard_flow.py)."""
 
 import logging
 

@@ -53,8 +53,8 @@ def _node(tmp_path, monkeypatch, **kw) -> Stack:
                                results_url="s3://bucket/evals", heartbeat_s=45,
                                env={"AWS_SECRET_ACCESS_KEY": "from-head", "EVALDAG_DATA_DIR": "/data"})
     monkeypatch.setattr(cluster, "fetch", lambda api: info)
-    for var in ("EVALDAG_RESULTS_URL", "EVALDAG_RESULTS_DIR", "EVALDAG_GPUS", "EVALDAG_GPU_WORKERS",
-                "EVALDAG_DATA_DIR"):
+    for var in ("EVALDAG_RESULTS_URL", "EVALDAG_RESULTS_DIR", "EVALDAG_GPUS", "EVALDAG_NUM_GPUS",
+                "EVALDAG_GPU_WORKERS", "EVALDAG_DATA_DIR"):
         monkeypatch.delenv(var, raising=False)
     settings = StackSettings(home=tmp_path, server="http://10.0.0.1:4200", node_name="gpu7", num_gpus=2,
                              gpus=("0", "1"), **kw)

@@ -115,7 +115,7 @@ def test_check_visible_and_fits():
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
     monkeypatch.setenv("EVALDAG_HOME", str(tmp_path))
-    for var in ("EVALDAG_GPUS", "EVALDAG_GPU_WORKERS", "EVALDAG_TP", "CUDA_VISIBLE_DEVICES"):
+    for var in ("EVALDAG_GPUS", "EVALDAG_NUM_GPUS", "EVALDAG_GPU_WORKERS", "EVALDAG_TP", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(var, raising=False)
     return monkeypatch
 
@@ -129,7 +129,7 @@ def test_settings_tp_with_named_gpus(clean_env):
     clean_env.setenv("EVALDAG_GPUS", "0,1,2,3")
     clean_env.setenv("EVALDAG_TP", "2")
     s = StackSettings.from_env()
-    assert (s.num_gpus, s.tp, s.gpu_workers) == (4, 2, 2)
+    assert (s.num_gpus, s.tp, s.num_gpu_workers) == (4, 2, 2)
     assert _cuda(s) == {CPU_WORKER: None, "gpu-worker-0": "0,1", "gpu-worker-1": "2,3"}
     s = StackSettings.from_env(tp=4)
     assert _cuda(s) == {CPU_WORKER: None, "gpu-worker-0": "0,1,2,3"}
@@ -143,11 +143,11 @@ def test_settings_tp_with_named_gpus(clean_env):
 def test_settings_gpus_on_a_cpu_box(clean_env):
     clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: None)
     s = StackSettings.from_env(num_gpus=4, tp=2)
-    assert (s.gpus, s.gpu_workers) == (None, 2)
+    assert (s.gpus, s.num_gpu_workers) == (None, 2)
     assert _cuda(s) == {CPU_WORKER: None, "gpu-worker-0": None, "gpu-worker-1": None}  # inherit, as before
     s = StackSettings.from_env()  # nothing asked: one unpinned worker, as before
-    assert (s.num_gpus, s.tp, s.gpus, s.gpu_workers) == (1, 1, None, 1)
-    assert StackSettings.from_env(gpu_workers=3).gpu_workers == 3  # the old keyword (--gpu-workers)
+    assert (s.num_gpus, s.tp, s.gpus, s.num_gpu_workers) == (1, 1, None, 1)
+    assert StackSettings.from_env(gpu_workers=3).num_gpus == 3  # the old keyword (--gpu-workers)
     assert StackSettings(gpu_workers=2).num_gpus == 2
     with pytest.raises(StackError, match="not a multiple of --tp 2"):
         StackSettings.from_env(num_gpus=3, tp=2)
@@ -157,7 +157,7 @@ def test_settings_gpus_on_a_gpu_box(clean_env):
     clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: ("0", "1", "2", "3"))
     assert _cuda(StackSettings.from_env(num_gpus=2)) == {CPU_WORKER: None, "gpu-worker-0": "0", "gpu-worker-1": "1"}
     assert _cuda(StackSettings.from_env(num_gpus=4, tp=2))["gpu-worker-1"] == "2,3"
-    clean_env.setenv("EVALDAG_GPU_WORKERS", "4")
+    clean_env.setenv("EVALDAG_NUM_GPUS", "4")
     assert StackSettings.from_env().gpus == ("0", "1", "2", "3")
     with pytest.raises(StackError, match="asks for more GPUs than this machine shows: 4"):
         StackSettings.from_env(num_gpus=8)
@@ -175,15 +175,62 @@ def test_cli_up_rejects_a_bad_layout_before_starting_anything(tmp_path):
     assert "--gpus" in result.output and "--gpu-workers" in result.output and "--tp" in result.output
 
 
+@pytest.fixture
+def warnings_said():
+    """The warnings logged on "evaldag" during the test (a handler on that logger itself: Prefect's logging setup
+    may stop it from propagating to caplog's root handler)."""
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    log = logging.getLogger("evaldag")
+    log.addHandler(handler)
+    try:
+        yield lambda: list(said)
+    finally:
+        log.removeHandler(handler)
+
+
+def test_old_names_of_num_gpus_still_work_and_say_so(clean_env, warnings_said):
+    clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: None)
+    clean_env.setenv("EVALDAG_NUM_GPUS", "2")
+    assert StackSettings.from_env().num_gpus == 2 and warnings_said() == []  # the new name: no warning
+    clean_env.delenv("EVALDAG_NUM_GPUS")
+    clean_env.setenv("EVALDAG_GPU_WORKERS", "4")
+    assert StackSettings.from_env().num_gpus == 4
+    assert warnings_said() == ["warning: EVALDAG_GPU_WORKERS is deprecated; use EVALDAG_NUM_GPUS"]
+    clean_env.setenv("EVALDAG_NUM_GPUS", "2")
+    assert StackSettings.from_env().num_gpus == 2  # both set: the new name wins
+    clean_env.delenv("EVALDAG_GPU_WORKERS")
+    clean_env.delenv("EVALDAG_NUM_GPUS")
+    assert StackSettings(gpu_workers=3).num_gpus == 3
+    assert StackSettings(gpu_workers=3, num_gpus=2).num_gpus == 2
+    assert StackSettings.from_env(gpu_workers=4).num_gpus == 4
+    assert warnings_said()[-3:] == ["warning: gpu_workers is deprecated; use num_gpus"] * 3
+
+
+def test_cli_old_gpu_workers_option_still_works_and_says_so(tmp_path, warnings_said):
+    env = {"EVALDAG_HOME": str(tmp_path), "EVALDAG_GPUS": "", "CUDA_VISIBLE_DEVICES": "", "EVALDAG_NUM_GPUS": "",
+           "EVALDAG_GPU_WORKERS": ""}
+    # --gpu-workers 3 reaches the settings as --gpus 3: the layout check rejects it in --gpus' words
+    result = CliRunner().invoke(app, ["up", "--no-deploy", "--gpu-workers", "3", "--tp", "2"], env=env)
+    assert result.exit_code == 1 and "error: --gpus 3 is not a multiple of --tp 2" in result.output
+    assert warnings_said() == ["warning: --gpu-workers is deprecated; use --gpus"]
+    result = CliRunner().invoke(app, ["up", "--no-deploy", "--tp", "2"], env={**env, "EVALDAG_GPU_WORKERS": "3"})
+    assert result.exit_code == 1 and "error: --gpus 3 is not a multiple of --tp 2" in result.output
+    assert warnings_said()[-1] == "warning: EVALDAG_GPU_WORKERS is deprecated; use EVALDAG_NUM_GPUS"
+    assert not (tmp_path / "stack" / "state.json").exists()
+
+
 # ---------------------------------------------------------------------- the shard flow's GPU slots (no server)
 
 
 @pytest.fixture
 def slots(monkeypatch):
-    """tasks.gpus with the limit lookup and Prefect's concurrency() replaced by fakes; records what was acquired."""
+    """flows.shard_flow's GPU slots with the limit lookup and Prefect's concurrency() replaced by fakes; records what
+    was acquired."""
     import prefect.concurrency.sync
 
-    from tasks import gpus as task_gpus
+    from flows import shard_flow as task_gpus
 
     acquired: list[tuple] = []
 
@@ -204,26 +251,26 @@ def test_gpu_slots_missing_or_inactive_limit_runs_without_slots(slots, caplog):
     log = logging.getLogger("evaldag")  # Prefect's logging setup may stop it from propagating to caplog's root handler
     log.addHandler(caplog.handler)
     try:
-        with caplog.at_level(logging.INFO, logger="evaldag"), slots.module.gpu_slots(2):
+        with caplog.at_level(logging.INFO, logger="evaldag"), slots.module.hold_gpus(2):
             ran.append(1)
     finally:
         log.removeHandler(caplog.handler)
     assert ran == [1] and slots.acquired == []
     assert f"{GPU_LIMIT!r} does not exist" in caplog.text
     slots.limit = SimpleNamespace(limit=1, active=False, active_slots=0)
-    with slots.module.gpu_slots(4):  # inactive = unlimited in Prefect: no check against its limit either
+    with slots.module.hold_gpus(4):  # inactive = unlimited in Prefect: no check against its limit either
         ran.append(2)
     assert ran == [1, 2] and slots.acquired == []
 
 
 def test_gpu_slots_occupies_tp_and_rejects_tp_over_limit(slots, monkeypatch):
     slots.limit = SimpleNamespace(limit=4, active=True, active_slots=0)
-    with slots.module.gpu_slots(2):
+    with slots.module.hold_gpus(2):
         pass
     assert slots.acquired == [(GPU_LIMIT, 2)]
-    with pytest.raises(ConfigError, match="needs 8 GPUs"), slots.module.gpu_slots(8):
+    with pytest.raises(ConfigError, match="needs 8 GPUs"), slots.module.hold_gpus(8):
         pytest.fail("must not run")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
-    with pytest.raises(ConfigError, match="its worker sees 1"), slots.module.gpu_slots(2):
+    with pytest.raises(ConfigError, match="its worker sees 1"), slots.module.hold_gpus(2):
         pytest.fail("must not run")
     assert slots.acquired == [(GPU_LIMIT, 2)]

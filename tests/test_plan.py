@@ -70,11 +70,11 @@ def test_bad_slot_counts_are_refused():
 
 
 def test_resolve_fits_a_slice_to_the_slots(tmp_path):
-    one = resolve(EvalRequest(benchmark="gsm8k", limit=4), tmp_path, gpu_slots=4)
+    one = resolve(EvalRequest(benchmark="gsm8k", limit=4), tmp_path, num_gpus=4)
     assert one.num_shards == 1
-    two = resolve(EvalRequest(benchmark="gsm8k", limit=64), tmp_path, gpu_slots=4)
+    two = resolve(EvalRequest(benchmark="gsm8k", limit=64), tmp_path, num_gpus=4)
     assert two.num_shards == 2 and sorted(len(s) for s in two.shards) == [32, 32]
-    explicit = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=2), tmp_path, gpu_slots=1)
+    explicit = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=2), tmp_path, num_gpus=1)
     assert explicit.num_shards == 2
 
 

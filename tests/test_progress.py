@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from evaldag import progress
-from tasks.generate import progress_key
+from evaldag.progress import progress_key
 
 
 def test_description_round_trips_and_other_text_is_ignored():

@@ -50,7 +50,7 @@ def _ours(home: Path, ports: list[int] = ()) -> list[psutil.Process]:
 def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("evaldag-home").resolve()
     prefect_port, mlflow_port = free_ports(2)
-    settings = StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, gpu_workers=1)
+    settings = StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, num_gpus=1)
     saved = os.environ.get("EVALDAG_DATA_DIR")
     os.environ["EVALDAG_DATA_DIR"] = str(home / "data")  # must reach the workers
     st = Stack(settings)
@@ -81,8 +81,8 @@ def test_settings_from_env_and_gpu_pinning(monkeypatch, tmp_path):
     monkeypatch.setenv("EVALDAG_MLFLOW_PORT", "5999")
     monkeypatch.setenv("EVALDAG_GPUS", "0,1")
     s = StackSettings.from_env()
-    assert (s.home, s.prefect_port, s.mlflow_port, s.gpu_workers, s.gpus) == (tmp_path, 4999, 5999, 2, ("0", "1"))
-    assert StackSettings.from_env(gpus=["3"]).gpu_workers == 1
+    assert (s.home, s.prefect_port, s.mlflow_port, s.num_gpu_workers, s.gpus) == (tmp_path, 4999, 5999, 2, ("0", "1"))
+    assert StackSettings.from_env(gpus=["3"]).num_gpu_workers == 1
     specs = Stack(s)._desired_specs("x")
     assert [specs[f"gpu-worker-{i}"].env["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0", "1"]
     assert "CUDA_VISIBLE_DEVICES" not in specs[CPU_WORKER].env
@@ -238,7 +238,7 @@ def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
     from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tasks.gpus import gpu_slots
+    from flows.shard_flow import hold_gpus
 
     s = stack.settings
     limit = _gpu_limit(stack)
@@ -247,14 +247,14 @@ def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
     try:
         assert _gpu_limit(stack)["limit"] == 2
         with temporary_settings(updates={PREFECT_API_URL: s.prefect_api_url}):
-            with gpu_slots(2):
+            with hold_gpus(2):
                 assert _gpu_limit(stack)["active_slots"] == 2
                 t0 = time.monotonic()
                 with pytest.raises(TimeoutError), concurrency(GPU_LIMIT, occupy=1, timeout_seconds=2):
                     pytest.fail("a second shard got a GPU slot while a TP=2 shard held both GPUs")
                 assert time.monotonic() - t0 < 10
             assert _gpu_limit(stack)["active_slots"] == 0
-            with pytest.raises(ConfigError, match="needs 3 GPUs"), gpu_slots(3):
+            with pytest.raises(ConfigError, match="needs 3 GPUs"), hold_gpus(3):
                 pytest.fail("a TP=3 shard must not run on a 2-GPU pool")
             with concurrency(GPU_LIMIT, occupy=2, timeout_seconds=10):  # free again
                 pass

@@ -127,10 +127,10 @@ class Components:
         env = dict(worker_env)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        elif pool == GPU_POOL and s.gpu_workers > 1 and "EVALDAG_TORCH_THREADS" not in env:
+        elif pool == GPU_POOL and s.num_gpu_workers > 1 and "EVALDAG_TORCH_THREADS" not in env:
             # unpinned slots share this machine's cores: two torch processes with all cores each
             # oversubscribe them and both slow down (see the CPU notes), so each gets its share
-            env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.gpu_workers))
+            env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.num_gpu_workers))
         return _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
                      key={"argv": argv, "env": env, "passthrough": passthrough})
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from evaldag import cluster, paths
-from evaldag.errors import EvalDagError, StackError
+from evaldag.errors import EvalDagError, StackError, warn_deprecated
 from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
 PREFECT_SERVER = "prefect-server"
@@ -26,12 +27,16 @@ STATE_VERSION = 1
 # EVALDAG_* variables that configure the stack itself; every other EVALDAG_* variable is passed to the workers and,
 # when it changes, restarts them (a flow must see the data/models/results folders the user asked for).
 _STACK_ENV = {
-    "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_GPU_WORKERS",
-    "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
+    "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_NUM_GPUS",
+    "EVALDAG_GPU_WORKERS", "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
     "EVALDAG_ADVERTISE_HOST", "EVALDAG_DATABASE_URL", "EVALDAG_POSTGRES", "EVALDAG_POSTGRES_PORT",
     "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME",
 }
 _WILDCARD = ("0.0.0.0", "::", "")
+# The number of GPUs of the `gpu` pool had a second name, from before --tp, when it was also the number of gpu
+# workers; the old names still work and say that they are deprecated.
+_OLD_NUM_GPUS_KEY = "gpu_workers"                     # settings key / from_env keyword (now num_gpus)
+_OLD_NUM_GPUS_ENV = "EVALDAG_GPU_WORKERS"             # environment variable (now EVALDAG_NUM_GPUS)
 
 
 class StackSettings(BaseModel):
@@ -44,8 +49,8 @@ class StackSettings(BaseModel):
     prefect_port: int = Field(4200, ge=1, le=65535, description="Prefect server port (EVALDAG_PREFECT_PORT).")
     mlflow_port: int = Field(5000, ge=1, le=65535, description="MLflow server port (EVALDAG_MLFLOW_PORT).")
     num_gpus: int = Field(
-        1, ge=0, le=64, validation_alias=AliasChoices("num_gpus", "gpu_workers"),
-        description="GPUs (on a CPU box: shard slots) of the `gpu` pool; `--gpus`, EVALDAG_GPU_WORKERS. Also the "
+        1, ge=0, le=64,
+        description="GPUs (on a CPU box: shard slots) of the `gpu` pool; `--gpus`, EVALDAG_NUM_GPUS. Also the "
                     f"limit of the Prefect global concurrency limit {GPU_LIMIT!r}.")
     tp: int = Field(1, ge=1, le=64, description="GPUs per gpu worker (`--tp`, EVALDAG_TP): num_gpus // tp workers, "
                                                 "one shard at a time each.")
@@ -79,6 +84,17 @@ class StackSettings(BaseModel):
                            description="Name of a worker node (EVALDAG_NODE_NAME): prefix of its workers' names.")
     worker_env: dict[str, str] = Field(default_factory=dict, description="Variables a worker node's workers get "
                                        "over the head's (`evaldag worker --env K=V`, --mlflow-url, --results-url).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_num_gpus_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and _OLD_NUM_GPUS_KEY in data:
+            data = dict(data)
+            old = data.pop(_OLD_NUM_GPUS_KEY)
+            warn_deprecated(_OLD_NUM_GPUS_KEY, "num_gpus")
+            if data.get("num_gpus") is None:
+                data["num_gpus"] = old
+        return data
 
     @model_validator(mode="after")
     def _database_choice(self) -> StackSettings:
@@ -118,7 +134,7 @@ class StackSettings(BaseModel):
         return self
 
     @property
-    def gpu_workers(self) -> int:
+    def num_gpu_workers(self) -> int:
         """Workers on the `gpu` pool: one per `tp` GPUs."""
         return self.num_gpus // self.tp
 
@@ -131,30 +147,17 @@ class StackSettings(BaseModel):
     def from_env(cls, **overrides: Any) -> StackSettings:
         """Settings from EVALDAG_* variables; keyword overrides (e.g. from CLI options, None = unset) win.
 
-        When the number of GPUs is asked for (`--gpus`/EVALDAG_GPU_WORKERS) without naming them (EVALDAG_GPUS),
+        When the number of GPUs is asked for (`--gpus`/EVALDAG_NUM_GPUS) without naming them (EVALDAG_GPUS),
         the workers are pinned to the GPUs this machine shows (the caller's CUDA_VISIBLE_DEVICES, else
         `nvidia-smi -L`), the first tp to the first worker and so on; on a machine without GPUs nothing is pinned
         and each worker is just a slot. Without either, one unpinned worker, as before.
         """
-        env = os.environ
-        values: dict[str, Any] = {}
-        if "gpu_workers" in overrides:  # the old keyword of --gpu-workers
-            legacy = overrides.pop("gpu_workers")
+        if overrides.get(_OLD_NUM_GPUS_KEY) is not None:
+            warn_deprecated(_OLD_NUM_GPUS_KEY, "num_gpus")
             if overrides.get("num_gpus") is None:
-                overrides["num_gpus"] = legacy
-        for key, var in (("host", "EVALDAG_HOST"), ("prefect_port", "EVALDAG_PREFECT_PORT"),
-                         ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("num_gpus", "EVALDAG_GPU_WORKERS"),
-                         ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS"),
-                         ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
-                         ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
-                         ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME")):
-            if env.get(var):
-                values[key] = env[var]
-        if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
-            values["postgres"] = True
-        if env.get("EVALDAG_GPUS"):
-            values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
-            values.setdefault("num_gpus", len(values["gpus"]))
+                overrides["num_gpus"] = overrides[_OLD_NUM_GPUS_KEY]
+        overrides.pop(_OLD_NUM_GPUS_KEY, None)
+        values = _env_values(os.environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if overrides.get("gpus") is not None:
             values["gpus"] = tuple(str(g) for g in overrides["gpus"])
@@ -215,6 +218,28 @@ class UpReport:
     deployed: bool = False
     elapsed_s: float = 0.0
     status: list[ComponentStatus] = field(default_factory=list)
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings the EVALDAG_* variables of `env` give (unset or empty ones give nothing)."""
+    values: dict[str, Any] = {}
+    if env.get(_OLD_NUM_GPUS_ENV):
+        warn_deprecated(_OLD_NUM_GPUS_ENV, "EVALDAG_NUM_GPUS")
+        values["num_gpus"] = env[_OLD_NUM_GPUS_ENV]       # EVALDAG_NUM_GPUS, when set too, wins below
+    for key, var in (("host", "EVALDAG_HOST"), ("prefect_port", "EVALDAG_PREFECT_PORT"),
+                     ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("num_gpus", "EVALDAG_NUM_GPUS"),
+                     ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS"),
+                     ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
+                     ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
+                     ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME")):
+        if env.get(var):
+            values[key] = env[var]
+    if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
+        values["postgres"] = True
+    if env.get("EVALDAG_GPUS"):
+        values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
+        values.setdefault("num_gpus", len(values["gpus"]))
+    return values
 
 
 def _detected_gpus(num_gpus: int) -> tuple[str, ...] | None:
