@@ -155,13 +155,13 @@ def run_engine_only(limit: int) -> float:
 def print_timeline(since: datetime) -> None:
     """Where the quick slice's time went: each flow run since `since`, when it was created, started and ended."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterExpectedStartTime
 
     with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(after_=since)))
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(expected_start_time=FlowRunFilterExpectedStartTime(after_=since)))
         flows = {f.id: f.name for f in client.read_flows()}
     print("  flow run timeline (s after the event was sent: created / started / ended):")
-    for r in sorted(runs, key=lambda r: r.start_time):
+    for r in sorted(runs, key=lambda r: r.created):
         at = [(t - since).total_seconds() if t else float("nan") for t in (r.created, r.start_time, r.end_time)]
         print(f"    {flows.get(r.flow_id, '?'):<22} {at[0]:6.1f} {at[1]:6.1f} {at[2]:6.1f}  {r.state_name}")
 
