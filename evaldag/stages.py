@@ -108,14 +108,14 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
     midway (node loss, OOM, kill -9) resumes from its complete chunks, and since batches and their seeds are
     deterministic the resumed output equals an uninterrupted one. The engine gets every missing batch at once
     (Engine.generate_batches), so a continuously batching engine never drains between batches."""
-    from evaldag.engines.pool import engine_for
+    from evaldag.engines import engine_for
 
     inputs = plan.shard_inputs(shard)
     prompts = inputs["prompt"].to_list()
     records = inputs.to_dicts()
     chunks = out.with_name(out.stem + ".chunks")
     t0 = time.perf_counter()
-    with engine_for(plan.resolved_model) as got:
+    with engine_for(plan.resolved_model, context_tokens(plan, shard)) as got:
         engine = got.engine
         load_s = time.perf_counter() - t0
         batches = engine.plan_batches(prompts, plan.sampling)
@@ -132,7 +132,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         if progress is not None:
             progress(done, len(prompts), 0)
         # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
-        # loaded for the retry (engines.pool)
+        # loaded for the retry (engines.keep_loaded)
         with contextlib.closing(engine.generate_batches(todo, sampling)) as stream:
             for b, completions in stream:
                 idx = batches[b]
@@ -154,6 +154,15 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         "generation_tokens": float(tokens),
         "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
+
+
+def context_tokens(plan: EvalPlan, shard: int) -> int | None:
+    """The longest sequence (prompt + completion, in tokens) generating this shard can need, for engines that size
+    their memory to it (see evaldag.engines); None for the others."""
+    from evaldag import engines
+
+    prompts = plan.shard_inputs(shard)["prompt"].to_list()
+    return engines.context_tokens(plan.resolved_model, prompts, plan.sampling.max_new_tokens)
 
 
 def _generation_rows(records: list[dict], idx: list[int], completions: list, shard: int) -> list[dict]:

@@ -26,11 +26,11 @@ from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
 
 from evaldag.deployments import SHARD_DEPLOYMENT, SHARD_FLOW
-from evaldag.engines.pool import keep_loaded
+from evaldag.engines import keep_loaded
 from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, shard_gpus
 from evaldag.plan import EvalPlan, load_plan
 from evaldag.progress import artifact_progress
-from evaldag.stages import generate_shard, grade_shard, record_reused, shard_done
+from evaldag.stages import context_tokens, generate_shard, grade_shard, record_reused, shard_done
 from tasks.retry import retry_transient
 
 # A lost shard (its node gone, kill -9) keeps its slots until the lease expires: Prefect's default of 300 s would
@@ -104,8 +104,10 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     to_generate = [plan for plan in plans
                    if plan.reference is not None or not plan.generations_path(shard_index).is_file()]
     gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)
+    # sized once for the longest sequence of any of them, so the first load serves them all
+    context = max((c for plan in to_generate if (c := context_tokens(plan, shard_index)) is not None), default=None)
     # engines close (keep_loaded ends) before the slots go back
-    with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded():
+    with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(context):
         for path in paths:
             generate_task(path, shard_index)
     graded = [grade_task(path, shard_index) for path in paths]

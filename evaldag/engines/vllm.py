@@ -86,6 +86,33 @@ def validate_engine_args(args: dict) -> dict:
     return args
 
 
+_CONTEXT_STEP = 256     # fitted windows are rounded up to this: a little slack costs nothing measurable
+
+
+def fitted_max_model_len(context_tokens: int, window: int | None) -> int | None:
+    """The max_model_len for requests of up to `context_tokens` tokens on a model whose window is `window`: rounded
+    up to _CONTEXT_STEP, and None (vLLM's default: the whole window) when that would not be smaller than the window
+    or the window is unknown (requests near the window are then cut at it, as without sizing)."""
+    if context_tokens < 1:
+        raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
+    fit = -(-context_tokens // _CONTEXT_STEP) * _CONTEXT_STEP
+    return fit if window and fit < window else None
+
+
+def _model_window(model_path: str, trust_remote_code: bool = False) -> int | None:
+    """The checkpoint's context window as its config states it (max_position_embeddings), None when it states none
+    or transformers cannot read the config (vLLM then decides, as without sizing)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    window = getattr(text, "max_position_embeddings", None)
+    return window if isinstance(window, int) and window > 0 else None
+
+
 def sample_seed(seed: int, batch_index: int, position: int) -> int:
     """The sampler seed of one prompt: a hash, so nearby (seed, batch, position) triples give unrelated streams."""
     digest = hashlib.sha256(f"{seed}:{batch_index}:{position}".encode()).digest()
@@ -95,9 +122,14 @@ def sample_seed(seed: int, batch_index: int, position: int) -> int:
 class VLLMEngine:
     """vLLM's offline `LLM` behind the evaldag engine interface (see the module docstring)."""
 
-    def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32, **engine_args) -> None:
+    def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32,
+                 context_tokens: int | None = None, **engine_args) -> None:
         args = dict(validate_engine_args(dict(engine_args)))
         args.pop("data_parallel_size", None)        # validated to be 1: vLLM's default
+        if context_tokens is not None and "max_model_len" not in args:
+            if (fit := fitted_max_model_len(context_tokens,
+                                                _model_window(model_path, args.get("trust_remote_code", False)))) is not None:
+                args["max_model_len"] = fit
         try:    # imported here, after validation, so engine_args are checked even where vllm is not installed
             from vllm import LLM
             from vllm.platforms import current_platform
