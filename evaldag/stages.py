@@ -115,7 +115,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
     records = inputs.to_dicts()
     chunks = out.with_name(out.stem + ".chunks")
     t0 = time.perf_counter()
-    with engine_for(plan.resolved_model, context_tokens(plan, shard)) as got:
+    with engine_for(plan.resolved_model, workload(plan, shard)) as got:
         engine = got.engine
         load_s = time.perf_counter() - t0
         batches = engine.plan_batches(prompts, plan.sampling)
@@ -156,13 +156,13 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
     store.remove_tree(chunks)
 
 
-def context_tokens(plan: EvalPlan, shard: int) -> int | None:
-    """The longest sequence (prompt + completion, in tokens) generating this shard can need, for engines that size
-    their memory to it (see evaldag.engines); None for the others."""
+def workload(plan: EvalPlan, shard: int):
+    """What generating this shard asks of the engine (an evaldag.engines.Workload), for engines that size themselves
+    to it; None for the others."""
     from evaldag import engines
 
     prompts = plan.shard_inputs(shard)["prompt"].to_list()
-    return engines.context_tokens(plan.resolved_model, prompts, plan.sampling.max_new_tokens)
+    return engines.workload(plan.resolved_model, prompts, plan.sampling)
 
 
 def _generation_rows(records: list[dict], idx: list[int], completions: list, shard: int) -> list[dict]:

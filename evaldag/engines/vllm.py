@@ -11,6 +11,9 @@ setup` installs the one that fits the host). Choices, and why:
   schedules freely; one `generate` call per batch costs a little throughput at batch boundaries only.
 - Each prompt gets its own sampling seed derived from (sampling.seed, batch index, position in the batch): vLLM then
   samples it with a private generator, so a re-run batch repeats itself and the n samples of a prompt differ.
+- Loaded for a Workload (what the shard will ask, see evaldag.engines.workload; `fit_to_workload`): the context
+  window fitted to the longest sequence, and on CPU the KV cache fitted to the sequences (at most 2 GiB) and n-gram
+  speculation for a greedy shard. None of it changes a completion; what the user set in engine_args wins.
 - On GPUs the engine core runs in a separate (spawned) process; `close()` shuts it down, so no process outlives the
   engine. A script that creates the engine must guard its entry point with `if __name__ == "__main__":` because the
   spawned child re-imports the main module. On CPU the core runs in-process (see __init__).
@@ -26,9 +29,11 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from evaldag.config import SamplingConfig
 from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
+from evaldag.engines.workload import Workload
 from evaldag.errors import ConfigError, MissingDependencyError
 
 # name -> (accepted types, what it does). Values go to vllm.LLM unless handled below (kv_cache_space_gb).
@@ -41,8 +46,10 @@ ENGINE_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
     "max_model_len": ((int,), "context length (prompt + completion); default the model's"),
     "max_num_seqs": ((int,), "sequences vLLM runs at once inside a batch"),
     "max_num_batched_tokens": ((int,), "tokens per scheduler step"),
-    "kv_cache_space_gb": ((int, float), "KV cache size in GiB (CPU: VLLM_CPU_KVCACHE_SPACE, default 2; "
+    "kv_cache_space_gb": ((int, float), "KV cache size in GiB (CPU: default what the shard needs, at most 2; "
                                         "GPU: kv_cache_memory_bytes, overrides gpu_memory_utilization)"),
+    "speculative_ngram": ((bool,), "n-gram (prompt lookup) speculation for greedy shards: true/false (default: "
+                                   "true on CPU, false on GPU)"),
     "enforce_eager": ((bool,), "no CUDA graphs / no compilation (default: True on CPU, vLLM's default on GPU)"),
     "enable_prefix_caching": ((bool,), "reuse KV of shared prompt prefixes"),
     "quantization": ((str,), "weight quantization method, e.g. 'fp8', 'awq'"),
@@ -57,7 +64,15 @@ _GONE = {"swap_space": "vLLM V1 has no CPU swap space (preempted sequences are r
 
 # vLLM CPU's own default is 4 GiB. 2 is enough for eval batches and leaves RAM to others: on 128 MATH-500 prompts x
 # 512 tokens (bench/bench_vllm_memory.py) 4 and 6 GiB gave 0.99x and 1.01x the tok/s of 2 GiB for +1.8 / +3.8 GB RSS.
+# A smaller shard gets what its sequences need at full length (fitted_kv_bytes): fresh memory is slow to hand out
+# on a VM (2 GiB of zeros took 5.7 s here), and a 4-problem slice needs 0.2 GiB.
 _CPU_KV_DEFAULT_GB = 2
+_KV_STEP = 64 * 2**20
+# n-gram speculation (vLLM proposes the next tokens from the text so far, the model checks them in one step): it
+# is lossless only for greedy requests, and pays most where decoding is memory-bound (few sequences). Measured on
+# CPU (greedy, 512 tokens, fp32, 2 cores, every completion identical): 4 GSM8K prompts 32.0 -> 22.2 s (1.44x),
+# 32 MATH-500 prompts 1.02x, 128 MATH-500 prompts 336.0 -> 310.8 s (1.08x). Not measured on a GPU: off there.
+_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def validate_engine_args(args: dict) -> dict:
@@ -88,6 +103,7 @@ def validate_engine_args(args: dict) -> dict:
     return args
 
 
+_CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"          # the CPU build's KV cache size in whole GiB
 _CONTEXT_STEP = 256     # fitted windows are rounded up to this: a little slack costs nothing measurable
 
 
@@ -101,18 +117,58 @@ def fitted_max_model_len(context_tokens: int, window: int | None) -> int | None:
     return fit if window and fit < window else None
 
 
-def _model_window(model_path: str, trust_remote_code: bool = False) -> int | None:
-    """The checkpoint's context window as its config states it (max_position_embeddings), None when it states none
-    or transformers cannot read the config (vLLM then decides, as without sizing)."""
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing needs of a checkpoint: its context window, and its KV cache bytes per token at a dtype."""
+
+    window: int | None                  # max_position_embeddings; None when the config states none
+    kv_bytes_per_token: int | None      # None for an architecture whose cache is not plain K/V per layer
+
+
+def model_shape(model_path: str, dtype: str, trust_remote_code: bool = False) -> ModelShape:
+    """The checkpoint's shape as its config states it; unknowns are None (vLLM then decides, as without sizing)."""
     from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError):
-        return None
+        return ModelShape(None, None)
     text = getattr(config, "get_text_config", lambda: config)()
     window = getattr(text, "max_position_embeddings", None)
-    return window if isinstance(window, int) and window > 0 else None
+    layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
+    plain = all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim))
+    return ModelShape(window if isinstance(window, int) and window > 0 else None,
+                      2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2) if plain else None)
+
+
+def fitted_kv_bytes(workload: Workload, max_model_len: int, kv_bytes_per_token: int) -> int:
+    """A CPU KV cache that holds every sequence of `workload` at full length at once (so none waits or is
+    preempted), with a tenth to spare, in steps of 64 MiB, and at most the 2 GiB default."""
+    need = int(workload.sequences * max_model_len * kv_bytes_per_token * 1.1)
+    return min(-(-need // _KV_STEP) * _KV_STEP, _CPU_KV_DEFAULT_GB * 2**30)
+
+
+def fit_to_workload(args: dict, workload: Workload | None, shape: ModelShape, on_cpu: bool) -> dict:
+    """The vLLM arguments for serving `workload` (None: anything), from the validated engine_args `args`: the
+    context window fitted to the longest sequence, on CPU the KV cache fitted to the sequences and n-gram
+    speculation for a greedy workload. What the user set in `args` wins."""
+    args = dict(args)
+    if workload is not None and "max_model_len" not in args:
+        if (fit := fitted_max_model_len(workload.context_tokens, shape.window)) is not None:
+            args["max_model_len"] = fit
+    speculate = args.pop("speculative_ngram", None)
+    if workload is not None and workload.greedy and (speculate if speculate is not None else on_cpu):
+        args["speculative_config"] = dict(_NGRAM)
+    kv_gb = args.pop("kv_cache_space_gb", None)
+    if kv_gb is not None:
+        args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+    elif on_cpu and not os.environ.get(_CPU_KV_ENV):        # the environment variable is the user's setting too
+        fitted = workload is not None and "max_model_len" in args and shape.kv_bytes_per_token
+        args["kv_cache_memory_bytes"] = (fitted_kv_bytes(workload, args["max_model_len"], shape.kv_bytes_per_token)
+                                         if fitted else _CPU_KV_DEFAULT_GB * 2**30)
+    return args
 
 
 def sample_seed(seed: int, batch_index: int, position: int) -> int:
@@ -125,13 +181,9 @@ class VLLMEngine:
     """vLLM's offline `LLM` behind the evaldag engine interface (see the module docstring)."""
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32,
-                 context_tokens: int | None = None, **engine_args) -> None:
+                 workload: Workload | None = None, **engine_args) -> None:
         args = dict(validate_engine_args(dict(engine_args)))
         args.pop("data_parallel_size", None)        # validated to be 1: vLLM's default
-        if context_tokens is not None and "max_model_len" not in args:
-            if (fit := fitted_max_model_len(context_tokens,
-                                                _model_window(model_path, args.get("trust_remote_code", False)))) is not None:
-                args["max_model_len"] = fit
         try:    # imported here, after validation, so engine_args are checked even where vllm is not installed
             from vllm import LLM
             from vllm.platforms import current_platform
@@ -141,28 +193,13 @@ class VLLMEngine:
             raise MissingDependencyError(f"engine 'vllm' needs {e.name or 'vllm'}: {_ENGINES['vllm'][2]}") from None
 
         self.on_cpu = current_platform.is_cpu()
-        kv_gb = args.pop("kv_cache_space_gb", None)
         if self.on_cpu:
-            # The CPU build reads its KV cache size from VLLM_CPU_KVCACHE_SPACE (whole GiB), which overrides
-            # kv_cache_memory_bytes; an explicit engine_arg wins over the environment.
-            if kv_gb is not None:
-                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_gb)))
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(_CPU_KV_DEFAULT_GB))
-            # By default it keeps one CPU for the frontend; on a small box that CPU is missed by the model more
-            # (measured 470 vs 684 tok/s on 2 cores). The caller's setting wins.
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-            # No CUDA graphs on CPU, and compile mode needs triton-cpu (not installed): eager is the working mode.
-            args.setdefault("enforce_eager", True)
-            # The engine core in this process instead of a spawned one: the spawn re-imports vLLM and torch, which
-            # tripled the start (measured 31.7 s against 9.6 s to a ready engine, close 5.4 s against 1.6 s); on a
-            # CPU the second process buys no overlap, both compete for the same cores.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # vLLM drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; a shard owns its slot's
-            # cores (EVALDAG_TORCH_THREADS, set by the stack when slots share a host's cores).
-            os.environ.setdefault("OMP_NUM_THREADS",
-                                  os.environ.get("EVALDAG_TORCH_THREADS") or str(len(os.sched_getaffinity(0))))
-        elif kv_gb is not None:
-            args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
+            args = {**_cpu_setup(), **args}
+        explicit_kv = "kv_cache_space_gb" in args
+        shape = (model_shape(model_path, dtype, args.get("trust_remote_code", False)) if workload is not None
+                 else ModelShape(None, None))
+        args = fit_to_workload(args, workload, shape, self.on_cpu)
+        self.speculates = "speculative_config" in args
 
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -171,7 +208,8 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
         before = {p.pid for p in _descendants()}
-        with _modules_hidden_from_vllm_scan():
+        # the CPU build lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes: an explicit engine_arg wins
+        with _modules_hidden_from_vllm_scan(), _env_hidden(_CPU_KV_ENV if explicit_kv else None):
             self.llm = LLM(model=model_path, dtype=dtype, seed=0, **args)
         # The processes vLLM started (engine core, workers), to make sure close() leaves none behind.
         self._procs = [p for p in _descendants() if p.pid not in before and not _is_resource_tracker(p)]
@@ -338,9 +376,38 @@ class VLLMEngine:
             self._procs = []
 
 
-def _unscannable(value: object) -> bool:
+def _cpu_setup() -> dict:
+    """Set the CPU build's process settings (the caller's environment wins) and return the vLLM arguments it needs."""
+    # By default it keeps one CPU for the frontend; on a small box that CPU is missed by the model more
+    # (measured 470 vs 684 tok/s on 2 cores).
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # The engine core in this process instead of a spawned one: the spawn re-imports vLLM and torch, which
+    # tripled the start (measured 31.7 s against 9.6 s to a ready engine, close 5.4 s against 1.6 s); on a
+    # CPU the second process buys no overlap, both compete for the same cores.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; a shard owns its slot's
+    # cores (EVALDAG_TORCH_THREADS, set by the stack when slots share a host's cores).
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          os.environ.get("EVALDAG_TORCH_THREADS") or str(len(os.sched_getaffinity(0))))
+    # No CUDA graphs on CPU, and compile mode needs triton-cpu (not installed): eager is the working mode.
+    return {"enforce_eager": True}
+
+
+@contextlib.contextmanager
+def _env_hidden(name: str | None) -> Iterator[None]:
+    """Without the environment variable `name` inside the block (None: change nothing)."""
+    value = os.environ.pop(name, None) if name else None
     try:
-        hasattr(value, "__dict__")
+        yield
+    finally:
+        if value is not None:
+            os.environ[name] = value
+
+
+def _unscannable(value: object) -> bool:
+    try:        # what vLLM's scan does with every module global
+        if hasattr(value, "__dict__"):
+            vars(value).get("kernel")
     except Exception:               # noqa: BLE001 - exactly what breaks vLLM's scan
         return True
     return False
@@ -351,10 +418,11 @@ def _modules_hidden_from_vllm_scan() -> Iterator[None]:
     """Take out of sys.modules, while vLLM starts, the modules whose globals cannot be probed with hasattr.
 
     vLLM's CPU platform rebinds its kernel overrides by scanning every attribute of every loaded module with
-    `hasattr(value, "__dict__")`. A value whose attribute access raises something other than AttributeError aborts
-    the engine's start: werkzeug's LocalProxy (flask's current_app, g, request) raises "Working outside of
-    application context", and flask is loaded in any process that has imported MLflow's server or a flask app. Those
-    modules hold no vLLM kernel, so skipping them changes nothing; they are put back right after.
+    `hasattr(value, "__dict__")` and `vars(value).get("kernel")`. A value for which that raises aborts the engine's
+    start: werkzeug's LocalProxy (flask's current_app, g, request) raises "Working outside of application context",
+    and flask is loaded in any process that has imported MLflow's server or a flask app; llvmlite's library wrapper
+    (`llvmlite.binding.ffi.lib`, loaded by numba for n-gram speculation, so in any process where a speculating
+    engine has run) hands back a C function for `__dict__`. Those modules hold no vLLM kernel, so skipping them changes nothing; they are put back right after.
     """
     hidden: dict[str, object] = {}
     with warnings.catch_warnings():         # probing deprecated globals (torch.distributed.reduce_op) warns

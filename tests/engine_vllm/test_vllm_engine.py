@@ -200,3 +200,46 @@ def test_sampling_params_are_exactly_the_configured_distribution():
         assert (p.top_k, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty, p.min_tokens) == \
             (0, 0.0, 1.0, 0.0, 0.0, 0)
         assert p.n == cfg.n and p.max_tokens == cfg.max_new_tokens and p.stop_token_ids == [2]
+
+
+def test_a_small_greedy_shard_is_served_with_speculation_and_the_same_completions(model_path):
+    """Greedy sequences on CPU get n-gram speculation and a window and KV cache fitted to them
+    (evaldag.engines.vllm.fit_to_workload); the completions must be those of the engine without speculation."""
+    from dataclasses import replace
+
+    from evaldag.engines import workload
+    from evaldag.engines.vllm import fitted_kv_bytes, model_shape
+
+    prompts = [*PROMPTS, "Count from 1 to 60, separated by commas."]      # the count repeats itself: speculation wins
+    sampling = SamplingConfig(max_new_tokens=96)
+    need = workload(replace(resolve_model("smollm2-135m-instruct"), engine="vllm"), prompts, sampling)
+    assert need.greedy and need.sequences == len(prompts)
+    outs = {}
+    for speculate in (False, True):
+        eng = load_engine("vllm", model_path, "float32", 4, {"speculative_ngram": speculate}, workload=need)
+        try:
+            config = eng.llm.llm_engine.vllm_config
+            assert eng.speculates is speculate and (config.speculative_config is not None) is speculate
+            assert config.model_config.max_model_len == 256
+            assert config.cache_config.kv_cache_memory_bytes == fitted_kv_bytes(
+                need, 256, model_shape(model_path, "float32").kv_bytes_per_token)
+            outs[speculate] = [c[0].token_ids for c in eng.generate(prompts, sampling)]
+        finally:
+            eng.close()
+    assert outs[True] == outs[False]
+    assert len(outs[True][-1]) > 60         # the count ran long enough for speculation to matter
+
+
+def test_module_globals_that_break_vllms_scan_are_recognised():
+    """vLLM's CPU start scans every module global (hasattr __dict__, then vars().get): the values for which that
+    raises are hidden from it (flask's proxies; llvmlite's library wrapper, which numba loads for speculation, so a
+    second engine in a process where a speculating one ran would not start). Plain values are left alone."""
+    import os
+
+    import flask
+    from llvmlite.binding import ffi
+
+    from evaldag.engines.vllm import _unscannable
+
+    assert _unscannable(ffi.lib) and _unscannable(flask.current_app)
+    assert not any(_unscannable(v) for v in (os, 1, "x", SamplingConfig(), ffi.lib.LLVMPY_GetHostCPUName))
