@@ -185,6 +185,12 @@ def run_event(stack_home: Path | None) -> None:
     def checkpoint(step: int) -> Path:
         dst = root / tag / f"checkpoint-{step}"
         shutil.copytree(src, dst, copy_function=os.link)
+        # a checkpoint of its own (the fingerprint covers config.json): the default model's weights alone would find
+        # an earlier bench run's generations in the result store and time nothing. A new file, not the hard link.
+        config = dst / "config.json"
+        fields = json.loads(config.read_text())
+        config.unlink()
+        config.write_text(json.dumps({**fields, "evaldag_bench_run": tag}))
         return dst
 
     def wait_runs(benchmarks: list[str], step: int, timeout: float = 900) -> list:
