@@ -275,6 +275,28 @@ def test_deploy_failure_shows_log_tail(stack, tmp_path, monkeypatch):
     assert "no_such_file" in str(exc.value)
 
 
+def test_a_port_still_being_released_is_waited_for(tmp_path):
+    """A port blocked by a socket no process listens on (what a server stopped a moment ago can leave while the
+    kernel tears it down) is waited for, briefly; one that stays blocked is reported, naming the port."""
+    import threading
+
+    from evaldag.stack.processes import _Spec
+
+    blocker = socket.socket()          # bound, not listening, no SO_REUSEADDR: blocks the bind, holder unknown
+    blocker.bind(("127.0.0.1", 0))
+    port = blocker.getsockname()[1]
+    st = Stack(StackSettings(home=tmp_path))
+    spec = _Spec(name=MLFLOW_SERVER, kind="server", argv=[], env={}, cwd=tmp_path, port=port)
+    with pytest.raises(StackError, match=f"port {port} .* busy"):
+        st._check_port_free(spec, release_s=0.5)
+    timer = threading.Timer(1.0, blocker.close)
+    timer.start()
+    t0 = time.monotonic()
+    st._check_port_free(spec, release_s=10)
+    assert 0.9 < time.monotonic() - t0 < 5
+    timer.join()
+
+
 def test_busy_port_is_reported_before_anything_starts(tmp_path):
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))

@@ -140,6 +140,8 @@ class ProcessSupervisor:
                         os.kill(p.pid, sig)
                     else:
                         os.killpg(p.pid, sig)
+                        if sig != signal.SIGKILL:   # a stopped (SIGSTOP) process acts on the signal only once resumed
+                            os.killpg(p.pid, signal.SIGCONT)
             if sig != signal.SIGINT and not leader_only:  # a worker's SIGINT handler stops its own flow runs first
                 for p in loose:
                     with contextlib.suppress(psutil.Error):
@@ -176,16 +178,20 @@ class ProcessSupervisor:
                 p.kill()
         self._wait_gone(leftovers, 10)
 
-    def _check_port_free(self, spec: _Spec) -> None:
+    def _check_port_free(self, spec: _Spec, release_s: float = 15.0) -> None:
+        """Fail with the holder and a free port to use instead if `spec`'s port is taken. A port that nothing
+        identifiable listens on is waited for (up to `release_s`): the sockets of a server stopped a moment ago
+        (a hung one replaced by `up`) can outlive its process for a few seconds while the kernel tears it down."""
         host, port = ("127.0.0.1" if spec.name == POSTGRES else self.settings.host), spec.port
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is not "busy"
-            try:
-                s.bind((host, port))
+        deadline = time.monotonic() + release_s
+        while True:
+            err = _bind_error(host, port)
+            if err is None:
                 return
-            except OSError as e:
-                err = e
-        holder = _port_holder(port)
+            holder = _port_holder(port)
+            if holder is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         var, what = {PREFECT_SERVER: ("EVALDAG_PREFECT_PORT", "Prefect server"),
                      POSTGRES: ("EVALDAG_POSTGRES_PORT", "PostgreSQL cluster")}.get(
                          spec.name, ("EVALDAG_MLFLOW_PORT", "MLflow server"))
@@ -250,6 +256,17 @@ def _group_members(pgid: int) -> list[psutil.Process]:
             if p.pid != pgid and os.getpgid(p.pid) == pgid:
                 members.append(p)
     return members
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why `port` cannot be bound on `host` now, or None if it can."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT leftover is not "busy"
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e
+    return None
 
 
 def _port_holder(port: int) -> str | None:
