@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 
 from evaldag import cluster, paths, store
@@ -131,8 +132,12 @@ class Components:
             # unpinned slots share this machine's cores: two torch processes with all cores each
             # oversubscribe them and both slow down (see the CPU notes), so each gets its share
             env["EVALDAG_TORCH_THREADS"] = str(max(1, (os.cpu_count() or 1) // s.num_gpu_workers))
-        return _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool,
-                     key={"argv": argv, "env": env, "passthrough": passthrough})
+        # the pools' flow-run command names `python`: this environment's, not the shell's (a worker started before
+        # that, without the key's `python`, is replaced)
+        bin_dir = str(Path(sys.executable).parent)
+        key = {"argv": argv, "env": dict(env), "passthrough": passthrough, "python": bin_dir}
+        env["PATH"] = os.pathsep.join(dict.fromkeys([bin_dir, *os.environ.get("PATH", os.defpath).split(os.pathsep)]))
+        return _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool, key=key)
 
     def _head_info(self) -> cluster.ClusterInfo:
         """What the head publishes (fetched once per Stack); with --mlflow-url and --results-url both given on

@@ -22,6 +22,11 @@ from evaldag.gpus import GPU_LIMIT
 from evaldag.stack.processes import _cli, _log_tail, _repo, _tail
 from evaldag.stack.settings import POSTGRES, PREFECT_SERVER, StackSettings
 
+# How the local pools' workers start a flow run: evaldag.flow_run_launcher, one bare interpreter start instead of
+# Prefect's workspace supervisor (3-4 s of imports per flow run here). `python` is the workers' environment's:
+# they run with its bin folder first on PATH (the pool is shared by every host, each with its own environment).
+FLOW_RUN_COMMAND = "python -m evaldag.flow_run_launcher"
+
 
 class _RetryBusy(httpx.BaseTransport):
     """Re-sends a request the Prefect server answered 503, which it does for SQLite busy/locked and tells clients to
@@ -117,7 +122,9 @@ class PrefectSetup:
         cluster.publish(self.settings.prefect_api_url, self._cluster_info())
 
     def _ensure_pools(self) -> None:
-        """Create the process work pools `cpu` and `gpu` if missing (with Prefect's default process job template)."""
+        """Create the process work pools `cpu` and `gpu` if missing: Prefect's default process job template, whose
+        flow runs start with FLOW_RUN_COMMAND. A pool that exists without a command gets it; one with a command of
+        its own keeps it."""
         api = self.settings.prefect_api_url
         with httpx.Client(base_url=api, timeout=30, transport=_RetryBusy()) as client:
             for pool in POOLS:
@@ -126,12 +133,21 @@ class PrefectSetup:
                     if r.json().get("type") != "process":
                         raise StackError(f"work pool {pool!r} exists with type {r.json().get('type')!r}, expected "
                                          f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
+                    template = r.json().get("base_job_template") or {}
+                    command = template.get("variables", {}).get("properties", {}).get("command")
+                    if command is not None and command.get("default") is None:
+                        command["default"] = FLOW_RUN_COMMAND
+                        r = client.patch(f"/work_pools/{pool}", json={"base_job_template": template})
+                        if r.status_code not in (200, 204):
+                            raise StackError(f"could not update work pool {pool!r}: HTTP {r.status_code} "
+                                             f"{r.text[:500]}")
                     continue
                 from prefect.workers.process import ProcessWorker  # ~1 s import, only when a pool is missing
 
+                template = ProcessWorker.get_default_base_job_template()
+                template["variables"]["properties"]["command"]["default"] = FLOW_RUN_COMMAND
                 r = client.post("/work_pools/", json={
-                    "name": pool, "type": "process",
-                    "base_job_template": ProcessWorker.get_default_base_job_template(),
+                    "name": pool, "type": "process", "base_job_template": template,
                     "description": f"evaldag {'parent flows' if pool == CPU_POOL else 'shard flows, one per GPU'}"})
                 if r.status_code not in (200, 201, 409):
                     raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")

@@ -1,0 +1,75 @@
+"""evaldag.flow_run_launcher, the command the local pools start flow runs with: a session of the run's own, stop
+signals reaching the run and its children, the run's exit status passed on, the run dying with its launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+# The flow run's stand-in: starts a child of its own (as vLLM's workers on a GPU host), writes its pid, waits.
+RUN = textwrap.dedent("""
+    import subprocess, sys, time
+    from pathlib import Path
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    Path(sys.argv[1]).write_text(f"{child.pid}")
+    time.sleep(600)
+""")
+
+
+def _launcher(*command: str) -> list[str]:
+    return [sys.executable, "-c", "import sys; from evaldag.flow_run_launcher import launch; "
+            f"sys.exit(launch({[sys.executable, *command]!r}))"]
+
+
+@contextlib.contextmanager
+def _launched(tmp_path: Path):
+    """The launcher running RUN, and RUN's two processes (the run, its child); all killed afterwards."""
+    pids = tmp_path / "pids"
+    launcher = subprocess.Popen(_launcher("-c", RUN, str(pids)))
+    procs: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.is_file() and pids.read_text()):
+            assert time.monotonic() < deadline and launcher.poll() is None, "the run did not start"
+            time.sleep(0.05)
+        procs = [psutil.Process(launcher.pid).children()[0], psutil.Process(int(pids.read_text()))]
+        yield launcher, procs
+    finally:
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            launcher.kill()
+        launcher.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_reaches_the_run_and_its_children(tmp_path, sig):
+    with _launched(tmp_path) as (launcher, procs):
+        assert {os.getsid(p.pid) for p in procs} == {launcher.pid} != {os.getsid(0)}   # a session of its own
+        launcher.send_signal(sig)
+        _, alive = psutil.wait_procs(procs, timeout=20)
+        assert not alive
+        assert launcher.wait(20) == -sig                   # the run ended killed by `sig`, and so does the launcher
+
+
+def test_the_exit_code_is_passed_on():
+    assert subprocess.run(_launcher("-c", "import sys; sys.exit(3)"), timeout=60).returncode == 3
+
+
+def test_the_run_dies_with_a_killed_launcher(tmp_path):
+    """A worker's hard kill (SIGKILL) reaches the launcher alone; the run must not outlive it."""
+    with _launched(tmp_path) as (launcher, procs):
+        launcher.kill()
+        launcher.wait(20)
+        _, alive = psutil.wait_procs(procs[:1], timeout=20)
+        assert not alive
