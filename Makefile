@@ -56,7 +56,7 @@ run: up
 # Everything, the vLLM engine's tests included, then the end-to-end tests once more with the Prefect server on
 # PostgreSQL (this is what CI runs, through .ci/run).
 test: setup model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 	$(MAKE) test-postgres
 
 # The end-to-end tests with the stack's Prefect server on a private PostgreSQL cluster (needs PostgreSQL's server
