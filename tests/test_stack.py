@@ -275,9 +275,38 @@ def test_deploy_failure_shows_log_tail(stack, tmp_path, monkeypatch):
     assert "no_such_file" in str(exc.value)
 
 
-def test_a_port_still_being_released_is_waited_for(tmp_path):
-    """A port blocked by a socket no process listens on (what a server stopped a moment ago can leave while the
-    kernel tears it down) is waited for, briefly; one that stays blocked is reported, naming the port."""
+_EXITING_SERVER = """
+import ctypes, socket, sys, threading, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+print(s.getsockname()[1], flush=True)
+threading.Thread(target=time.sleep, args=(2.0,)).start()   # outlives the main thread, and holds the socket
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_process_whose_threads_are_still_exiting_is_waited_for(tmp_path):
+    """A server whose main thread has exited shows as a zombie while its other threads wind down, and still holds
+    its port: stopping it waits for them, so that its replacement can bind the port (CI saw `up` replace a hung
+    MLflow server, then find the port busy, or the old process still there)."""
+    from evaldag.stack.processes import _bind_error
+
+    proc = subprocess.Popen([sys.executable, "-c", _EXITING_SERVER], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    p = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 5
+    while p.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.status() == psutil.STATUS_ZOMBIE and proc.poll() is None  # the state the old check took for "gone"
+    assert _bind_error("127.0.0.1", port) is not None
+    st = Stack(StackSettings(home=tmp_path))
+    assert st._wait_gone([p], 10) == []
+    assert _bind_error("127.0.0.1", port) is None
+    assert proc.wait(5) == 0
+
+
+def test_a_port_still_being_released_is_waited_for_after_a_stop_only(tmp_path):
+    """A port blocked by a socket no process listens on is waited for, briefly, after `up` stopped the
+    component that used it; before starting, a blocked port fails at once, naming the port."""
     import threading
 
     from evaldag.stack.processes import _Spec
@@ -287,13 +316,16 @@ def test_a_port_still_being_released_is_waited_for(tmp_path):
     port = blocker.getsockname()[1]
     st = Stack(StackSettings(home=tmp_path))
     spec = _Spec(name=MLFLOW_SERVER, kind="server", argv=[], env={}, cwd=tmp_path, port=port)
+    t0 = time.monotonic()
     with pytest.raises(StackError, match=f"port {port} .* busy"):
-        st._check_port_free(spec, release_s=0.5)
+        st._check_port_free(spec)
+    assert time.monotonic() - t0 < 3
     timer = threading.Timer(1.0, blocker.close)
     timer.start()
     t0 = time.monotonic()
-    st._check_port_free(spec, release_s=10)
+    st._wait_port_released(spec, timeout_s=10)
     assert 0.9 < time.monotonic() - t0 < 5
+    st._check_port_free(spec)
     timer.join()
 
 

@@ -124,6 +124,8 @@ class Stack(Components, ProcessSupervisor, PrefectSetup, StateFile):
             self._stop(state, to_stop)
             for name in to_stop:
                 comps.pop(name, None)
+                if name in specs and specs[name].port is not None:  # replaced below, on the same port
+                    self._wait_port_released(specs[name])
 
     def _start_missing(self, state: dict, specs: dict[str, _Spec], to_start: list[str], started: list[str]) -> None:
         """Start the components of `to_start` and wait until they are healthy; each one started is appended to

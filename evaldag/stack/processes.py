@@ -89,7 +89,7 @@ class ProcessSupervisor:
         self._reap(pid)
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - rec["create_time"]) > 0.05 or p.status() == psutil.STATUS_ZOMBIE:
+            if abs(p.create_time() - rec["create_time"]) > 0.05 or not _running(p):
                 return None
             return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -178,20 +178,24 @@ class ProcessSupervisor:
                 p.kill()
         self._wait_gone(leftovers, 10)
 
-    def _check_port_free(self, spec: _Spec, release_s: float = 15.0) -> None:
-        """Fail with the holder and a free port to use instead if `spec`'s port is taken. A port that nothing
-        identifiable listens on is waited for (up to `release_s`): the sockets of a server stopped a moment ago
-        (a hung one replaced by `up`) can outlive its process for a few seconds while the kernel tears it down."""
-        host, port = ("127.0.0.1" if spec.name == POSTGRES else self.settings.host), spec.port
-        deadline = time.monotonic() + release_s
-        while True:
-            err = _bind_error(host, port)
-            if err is None:
-                return
-            holder = _port_holder(port)
-            if holder is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
+    def _port_host(self, spec: _Spec) -> str:
+        return "127.0.0.1" if spec.name == POSTGRES else self.settings.host
+
+    def _wait_port_released(self, spec: _Spec, timeout_s: float = 10.0) -> None:
+        """Wait (up to `timeout_s`) until the port of a component just stopped can be bound again: the kernel
+        may still be tearing down its listening socket. A port that stays blocked is reported by
+        `_check_port_free` before anything starts."""
+        deadline = time.monotonic() + timeout_s
+        while _bind_error(self._port_host(spec), spec.port) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def _check_port_free(self, spec: _Spec) -> None:
+        """Fail with the holder and a free port to use instead if `spec`'s port is taken."""
+        host, port = self._port_host(spec), spec.port
+        err = _bind_error(host, port)
+        if err is None:
+            return
+        holder = _port_holder(port)
         var, what = {PREFECT_SERVER: ("EVALDAG_PREFECT_PORT", "Prefect server"),
                      POSTGRES: ("EVALDAG_POSTGRES_PORT", "PostgreSQL cluster")}.get(
                          spec.name, ("EVALDAG_MLFLOW_PORT", "MLflow server"))
@@ -243,8 +247,11 @@ def _safe(fn: Any, **kwargs: Any) -> list:
 
 
 def _running(p: psutil.Process) -> bool:
+    """Whether `p` still runs. A process whose main thread has exited shows as a zombie while its other threads
+    are still exiting, and it keeps its sockets (a server's port) and cannot be reaped until they are gone: it
+    counts as running until it is a zombie of one thread."""
     try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return p.is_running() and (p.status() != psutil.STATUS_ZOMBIE or p.num_threads() > 1)
     except psutil.Error:
         return False
 
