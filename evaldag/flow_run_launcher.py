@@ -55,9 +55,17 @@ def launch(command: list[str]) -> int:
     return code
 
 
+def module_command(module: str, argv: list[str]) -> list[str]:
+    """The command that runs `module` as the program, like `python -m module argv...`, but with no named main
+    module: multiprocessing's "spawn" and "forkserver" children (the grading pool's workers) import a named main
+    module again, each of them, which for `prefect.engine` means importing Prefect, 2-3 s per worker start on this
+    box (measured); a `-c` program has nothing for them to import."""
+    return [sys.executable, "-c", f"import runpy; runpy.run_module({module!r}, run_name='__main__')", *argv]
+
+
 def main(argv: list[str]) -> int:
     """Start Prefect's engine for the flow run named by PREFECT__FLOW_RUN_ID (or argv), as `launch` says."""
-    return launch([sys.executable, "-m", "prefect.engine", *argv])
+    return launch(module_command("prefect.engine", argv))
 
 
 if __name__ == "__main__":

@@ -73,3 +73,33 @@ def test_the_run_dies_with_a_killed_launcher(tmp_path):
         launcher.wait(20)
         _, alive = psutil.wait_procs(procs[:1], timeout=20)
         assert not alive
+
+
+# Run as the program by module_command: counts its own executions, then starts a grading-style worker process.
+PROBE = textwrap.dedent("""
+    import multiprocessing, sys
+    from pathlib import Path
+    log = Path(sys.argv[1])
+    with log.open("a") as f:
+        f.write(f"{__name__}\\n")
+
+    if __name__ == "__main__":
+        p = multiprocessing.get_context("forkserver").Process(target=print)
+        p.start(); p.join()
+        assert p.exitcode == 0, p.exitcode
+""")
+
+
+def test_worker_processes_do_not_import_the_engine_again(tmp_path):
+    """A module run by `module_command` (as Prefect's engine is) is not imported again by each "forkserver" child:
+    under `python -m` every grading-pool worker re-imports the main module (for the engine: all of Prefect)."""
+    from evaldag.flow_run_launcher import module_command
+
+    (tmp_path / "probe_main.py").write_text(PROBE)
+    log = tmp_path / "log"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    subprocess.run(module_command("probe_main", [str(log)]), env=env, check=True, timeout=60)
+    assert log.read_text().splitlines() == ["__main__"]                   # argv reached it; run once, as main
+    log.unlink()
+    subprocess.run([sys.executable, "-m", "probe_main", str(log)], env=env, check=True, timeout=60)
+    assert log.read_text().splitlines() == ["__main__", "__mp_main__"]   # what `-m` costs: a second execution
