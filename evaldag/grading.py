@@ -255,6 +255,17 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")  # pragma: no cover - platforms without fork (Windows)
 
 
+def start_worker_server() -> None:
+    """Start the grading workers' forkserver now, without waiting for it: its imports (math-verify, sympy; 1-2 s)
+    then run beside what comes before grading (a shard's own imports and engine load use one core at a time)
+    instead of at the start of the first grading call. A no-op where workers are spawned, or once it runs."""
+    ctx = _mp_context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 class _InlineTimeout(BaseException):
     # BaseException, so that math-verify's and sympy's `except Exception` blocks do not swallow it.
     pass

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
-from mlflow.entities import Metric, Param
 
 from evaldag import faults, store
 from evaldag.diagnostics import Diagnostic
@@ -70,6 +69,13 @@ def _client():
     from mlflow import MlflowClient
 
     return MlflowClient()
+
+
+def preload() -> None:
+    """Import the MLflow client now. It is imported where it is used, not with this module: 2-3 s of imports that
+    an evaluation flow would otherwise pay before its shards start; the flow calls this while they run instead."""
+    import mlflow.entities  # noqa: F401
+    import mlflow.tracking  # noqa: F401
 
 
 def find_run(client, experiment_id: str, eval_key: str):
@@ -309,6 +315,8 @@ def _claim_for_writing(client, exp_id: str, plan: EvalPlan, tags: dict[str, str]
 
 def _log_results(w: _Writing, plan: EvalPlan, metrics: dict, tags: dict[str, str], existing) -> None:
     """Metrics at step, params and tags; `existing` is the run an earlier attempt left unfinished, if any."""
+    from mlflow.entities import Metric, Param
+
     # MLflow refuses to overwrite a param, so a resumed run logs only the params it does not have yet.
     logged = set(existing.data.params) if existing is not None else set()
     w.client.log_batch(
@@ -352,6 +360,8 @@ def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan, metrics: dict) ->
 
 def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict) -> None:
     """The training job's parent run gets this benchmark's headline figures at this step."""
+    from mlflow.entities import Metric
+
     parent = parent_run(w.client, plan.train_run, plan.request.mlflow_parent_run_id)
     w.client.set_tag(w.run_id, "evaldag.parent_run_id", parent)
     # one curve per kind of evaluation: math500/accuracy for the benchmark's own settings, math500.limit4/accuracy

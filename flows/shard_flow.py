@@ -18,15 +18,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterator
 
 from prefect import flow, get_run_logger, task
+from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 from prefect.tasks import exponential_backoff
 
 from evaldag.deployments import SHARD_DEPLOYMENT, SHARD_FLOW
 from evaldag.engines import keep_loaded
+from evaldag.grading import start_worker_server
 from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, shard_gpus
 from evaldag.plan import EvalPlan, load_plan
 from evaldag.progress import artifact_progress
@@ -80,8 +83,15 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
         SHARD_DEPLOYMENT,
         parameters={"plan_path": [path for path, _ in todo], "shard_index": shard_index},
         flow_run_name=f"{names}-{todo[0][1].eval_key[:8]}-shard{shard_index}of{width}",
-        idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=None, poll_interval=1,
+        idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=0,
     )
+    from evaldag.tracking import preload
+
+    preload()  # the parent logs to MLflow after its shards: its client loads while they run, not after
+    with get_client(sync_client=True) as client:
+        while not (fr.state and fr.state.is_final()):
+            time.sleep(1)
+            fr = client.read_flow_run(fr.id)
     if not fr.state.is_completed():
         raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "
                            f"{fr.state.message}")
@@ -104,6 +114,7 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     to_generate = [plan for plan in plans
                    if plan.reference is not None or not plan.generations_path(shard_index).is_file()]
     gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)
+    start_worker_server()  # grading's worker processes get ready while the engine loads
     # sized once for what all of them need together, so the first load serves them all
     need = None
     for plan in to_generate:
@@ -155,7 +166,6 @@ def _in_deployment() -> bool:
 
 def _read_limit(name: str):
     """The global concurrency limit `name`, or None when the server has none by that name."""
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:

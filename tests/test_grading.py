@@ -237,3 +237,28 @@ def test_strip_thinking_reads_the_answer_after_the_reasoning():
     stripped = grade_table(df, workers=0, strip_thinking=True)
     assert stripped["status"][0] == "correct"
     assert with_thinking["status"][0] == "wrong"     # the boxed guess inside <think> would be taken otherwise
+
+
+_START_SERVER = """
+import psutil
+from evaldag.grading import grade_many, start_worker_server
+
+if __name__ == "__main__":
+    start_worker_server()
+    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+    assert len(servers) == 1, psutil.Process().children()
+    assert [g.correct for g in grade_many([("\\\\boxed{4}", "4", "stop")])] == [True]
+    start_worker_server()                  # grading used it (no second one started); once running, a no-op
+    assert [p.pid for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())] == [servers[0].pid]
+"""
+
+
+def test_grading_worker_server_starts_ahead_of_grading(tmp_path: Path) -> None:
+    """A shard starts the grading workers' server while its engine loads; grading then uses that server."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "start_server.py"
+    script.write_text(_START_SERVER)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -205,3 +205,14 @@ def test_job_history_compares_like_with_like(mlflow_server, configs, tmp_path):
               for k in parent.data.metrics if k.endswith("/accuracy")}
     # (these plans evaluate 2 problems: a slice, named as such)
     assert curves == {"aime24.limit2/accuracy": [100, 300], "aime24.limit2.n2.t0.6/accuracy": [200]}
+
+
+def test_loading_the_evaluation_flow_does_not_import_mlflow():
+    """MLflow's client is 2-3 s of imports: an evaluation flow run loads it while its shards run (tracking.preload),
+    not before it can start them."""
+    code = ("import sys, flows.eval_flow, flows.shard_flow, flows.checkpoint_flow; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'mlflow'], 'mlflow imported'; "
+            "from evaldag import tracking; tracking.preload(); assert 'mlflow.entities' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
