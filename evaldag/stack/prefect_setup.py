@@ -130,17 +130,7 @@ class PrefectSetup:
             for pool in POOLS:
                 r = client.get(f"/work_pools/{pool}")
                 if r.status_code == 200:
-                    if r.json().get("type") != "process":
-                        raise StackError(f"work pool {pool!r} exists with type {r.json().get('type')!r}, expected "
-                                         f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
-                    template = r.json().get("base_job_template") or {}
-                    command = template.get("variables", {}).get("properties", {}).get("command")
-                    if command is not None and command.get("default") is None:
-                        command["default"] = FLOW_RUN_COMMAND
-                        r = client.patch(f"/work_pools/{pool}", json={"base_job_template": template})
-                        if r.status_code not in (200, 204):
-                            raise StackError(f"could not update work pool {pool!r}: HTTP {r.status_code} "
-                                             f"{r.text[:500]}")
+                    self._update_pool(client, pool, r.json())
                     continue
                 from prefect.workers.process import ProcessWorker  # ~1 s import, only when a pool is missing
 
@@ -151,6 +141,20 @@ class PrefectSetup:
                     "description": f"evaldag {'parent flows' if pool == CPU_POOL else 'shard flows, one per GPU'}"})
                 if r.status_code not in (200, 201, 409):
                     raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
+
+    @staticmethod
+    def _update_pool(client: httpx.Client, pool: str, existing: dict) -> None:
+        """Check that an existing pool is a process pool; give it FLOW_RUN_COMMAND if it has no command."""
+        if existing.get("type") != "process":
+            raise StackError(f"work pool {pool!r} exists with type {existing.get('type')!r}, expected "
+                             f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
+        template = existing.get("base_job_template") or {}
+        command = template.get("variables", {}).get("properties", {}).get("command")
+        if command is not None and command.get("default") is None:
+            command["default"] = FLOW_RUN_COMMAND
+            r = client.patch(f"/work_pools/{pool}", json={"base_job_template": template})
+            if r.status_code not in (200, 204):
+                raise StackError(f"could not update work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
 
     def _ensure_gpu_limit(self, reset_slots: bool = False) -> None:
         """Create or update the global concurrency limit GPU_LIMIT: one slot per GPU of the `gpu` pool.
