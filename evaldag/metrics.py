@@ -13,6 +13,14 @@ import polars as pl
 
 from evaldag.schema import GRADE_STATUSES
 
+# Figures of how a computation ran (time, memory, throughput, cache use), not of what it found: two computations of
+# one evaluation differ in these and only these (system_metrics' keys, plus reduce's own time and the cache use).
+MEASUREMENT_KEYS = frozenset({
+    "generation_tokens", "generation_s", "grading_s", "scoring_s", "model_load_s", "engine_loads",
+    "shard_peak_rss_mb", "shard_peak_gpu_mb", "shard_generation_s_max", "generation_tokens_per_s",
+    "grading_samples_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s", "reduce_s", "cache_hit_rate",
+})
+
 
 def _slug(value: object) -> str:
     """MLflow metric names allow [A-Za-z0-9_-./ ]; subjects such as 'Intermediate Algebra' become intermediate_algebra."""

@@ -59,7 +59,36 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
         return
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
-    _print_result(console, benchmark, str(fr.id), time.time() - t0, stack)
+    _print_result(console, benchmark, str(fr.id), _flow_summary(fr, benchmark), time.time() - t0, stack)
+
+
+def _flow_summary(fr, benchmark: str) -> dict | None:
+    """The evaluation's own summary (its persisted result: the figures this flow run measured), or None when the
+    result store cannot be read from here (the MLflow run's figures are shown then)."""
+    try:
+        summary = fr.state.result()
+    except Exception:  # a result store this machine cannot reach
+        return None
+    summary = summary.get("benchmarks", {}).get(benchmark, summary) if isinstance(summary, dict) else None
+    return summary if isinstance(summary, dict) and isinstance(summary.get("metrics"), dict) else None
+
+
+def provenance(flow_run_id: str, logged_by: str | None, computed: dict | None, logged: dict) -> list[str]:
+    """What the printed figures are, when the MLflow run shown was logged by another flow run than `flow_run_id`:
+    the evaluation was reused whole, or recomputed here (its stored outputs were gone) while MLflow keeps the
+    first computation; and any result that differs between the two. Nothing to say for a run this flow logged."""
+    if logged_by == flow_run_id:
+        return []
+    if computed is None or computed.get("cache_hit_rate", 1.0) >= 1.0:
+        return ["this evaluation was computed and logged before: nothing was recomputed"]
+    from evaldag.tracking import differing_results, mlflow_key
+
+    lines = [f"recomputed by this flow run ({computed.get('cache_hit_rate', 0.0):.0%} of its stages reused): the "
+             f"figures below are this run's; the MLflow run keeps those logged first by flow run {logged_by}"]
+    for key in differing_results(computed, logged):
+        lines.append(f"warning: {key} differs from the logged run: {computed[key]:.6g} here, "
+                     f"{logged.get(mlflow_key(key), float('nan')):.6g} logged")
+    return lines
 
 
 def _interrupted(console, fr, url: str, ask: bool) -> None:
@@ -100,11 +129,12 @@ def cancel_flow_run(flow_run_id) -> int:
     return len(targets)
 
 
-def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stack: Stack) -> None:
+def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | None, wall_s: float,
+                  stack: Stack) -> None:
     from mlflow import MlflowClient
     from rich.table import Table
 
-    from evaldag.tracking import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name
+    from evaldag.tracking import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name, mlflow_key
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
@@ -114,10 +144,12 @@ def _print_result(console, benchmark: str, flow_run_id: str, wall_s: float, stac
         console.print(f"completed in {wall_s:.0f} s, but no MLflow run names this flow run; see {stack.mlflow_url}")
         return
     run = runs[0]
-    if run.data.tags.get("prefect.flow_run_id") != flow_run_id:
-        console.print("this evaluation was computed and logged before: nothing was recomputed")
-    m = run.data.metrics
-    table = Table(title=f"{run.data.tags.get('model')} on {benchmark} (step {int(m.get('step', 0))})")
+    computed = summary["metrics"] if summary else None
+    for line in provenance(flow_run_id, run.data.tags.get("prefect.flow_run_id"), computed, run.data.metrics):
+        console.print(line)
+    m = {mlflow_key(k): v for k, v in computed.items()} if computed else run.data.metrics
+    table = Table(title=f"{run.data.tags.get('model')} on {benchmark} "
+                        f"(step {int(run.data.metrics.get('step', 0))})")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, fmt in [("accuracy", "{:.2%}"), ("n_samples", "{:.0f}"), ("rate_correct", "{:.2%}"),

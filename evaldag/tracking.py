@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -44,6 +45,8 @@ COMPARISON_TAG = "evaldag.comparison_key"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
 HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
+# Set on a finished run when a later computation of the same evaluation found other results (which, and by whom).
+DIFFERS_TAG = "evaldag.recomputation_differs"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,19 @@ def experiment_name(benchmark: str) -> str:
 def mlflow_key(name: str) -> str:
     """MLflow metric names allow [A-Za-z0-9_-. /:]; pass@4 becomes pass_at_4."""
     return re.sub(r"[^\w.\- /:]", "_", name.replace("@", "_at_"))
+
+
+def differing_results(computed: dict, logged: dict) -> list[str]:
+    """The result metrics (not timings or other measurements) of `computed` whose value differs from the MLflow
+    metrics `logged` for the same evaluation, or that the logged run lacks."""
+    from evaldag.metrics import MEASUREMENT_KEYS
+
+    def same(a: float, b: float | None) -> bool:
+        return b is not None and (a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+                                  or (math.isnan(a) and math.isnan(b)))
+
+    return [k for k, v in computed.items()
+            if k not in MEASUREMENT_KEYS and not same(float(v), logged.get(mlflow_key(k)))]
 
 
 def _client():
@@ -221,6 +237,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     if finished:
         if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
             _set_tag_best_effort(client, run_id, "prefect.last_flow_run_id", flow_run_id)
+        _flag_differing_results(client, run_id, metrics, flow_run_id or owner)
         return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
     current = client.get_run(run_id)
     writing = _Writing(client, run_id, current_writer(current)[0], int(time.time() * 1000), plan.request.step)
@@ -233,6 +250,16 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
     client.set_terminated(run_id, "FINISHED")
     return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
+
+
+def _flag_differing_results(client, run_id: str, metrics: dict, by: str) -> None:
+    """A finished run is kept as logged (one run per evaluation); a recomputation that found other results (stored
+    outputs lost, then a non-deterministic engine or another kind of hardware) is flagged on it and in the log."""
+    differs = differing_results(metrics, client.get_run(run_id).data.metrics)
+    if differs:
+        _set_tag_best_effort(client, run_id, DIFFERS_TAG, f"{by}: {', '.join(differs)}"[:5000])
+        log.warning("MLflow run %s keeps the results logged first; this computation of the same evaluation found "
+                    "other values of %s", run_id, ", ".join(differs))
 
 
 @dataclass(frozen=True)

@@ -191,7 +191,7 @@ def test_incomplete_checkpoint_is_refused(live_stack, tmp_path):
     assert _shard_runs(fr.id) == []
 
 
-def test_evaldag_run_cli_follows_and_reports(live_stack):
+def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):
     """`evaldag run` (what `make run` calls) starts the deployment, waits, and prints metrics and both UI links."""
     evaldag = str(Path(sys.executable).with_name("evaldag"))
     proc = subprocess.run([evaldag, "run", "math500", "--limit", "2", "--num-shards", "1", "--step", "3",
@@ -218,6 +218,23 @@ def test_evaldag_run_cli_follows_and_reports(live_stack):
                             "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "logged before" in again.stdout and "accuracy" in again.stdout     # same evaluation: reused, reported
+
+    # its stored outputs lost (moved aside): computed again, and the figures printed are said to be this run's
+    import shutil
+
+    from evaldag import store
+    from evaldag.plan import load_plan
+
+    run_id = out.split("/runs/")[-1].split("?")[0]
+    eval_key = MlflowClient().get_run(run_id).data.tags["eval_key"]
+    plan = load_plan(store.root() / "math500" / eval_key[:24] / "plan.json")
+    for folder in (plan.result_dir, plan.stage_dir):
+        shutil.move(folder, tmp_path / Path(folder).name)
+    third = subprocess.run([evaldag, "run", "math500", "--limit", "2", "--num-shards", "1", "--step", "3",
+                            "--max-new-tokens", "16"], capture_output=True, text=True, timeout=900)
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert "recomputed by this flow run (0% of its stages reused)" in third.stdout, third.stdout
+    assert "logged before" not in third.stdout and "accuracy" in third.stdout
 
     bad = subprocess.run([evaldag, "run", "math5000"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 1

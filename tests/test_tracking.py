@@ -140,6 +140,30 @@ def test_concurrent_tracks_of_one_evaluation_make_one_run(mlflow_server, configs
     assert len(client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'race-run'")) == 1
 
 
+def test_a_recomputation_with_other_results_is_flagged_on_the_run_it_keeps(mlflow_server, configs, tmp_path):
+    """One run per evaluation: a later computation of it (stored outputs lost) does not overwrite the logged
+    results; new timings alone change nothing, other results are flagged on the run, naming them and who found
+    them."""
+    from evaldag.plan import load_plan
+    from evaldag.tracking import DIFFERS_TAG, track
+
+    plan = load_plan(_finished_plan(tmp_path, 40, "recompute-run"))
+    first = {**_metrics(0.5, 0.5), "generation_s": 10.0, "cache_hit_rate": 0.0}
+    logged = track(plan, first, flow_run_id="first-flow-run")
+    assert logged.created
+
+    again = track(plan, {**first, "generation_s": 7.5, "reduce_s": 0.2}, flow_run_id="second-flow-run")
+    [run] = _runs(plan.eval_key)
+    assert (again.run_id, again.created) == (logged.run_id, False)
+    assert DIFFERS_TAG not in run.data.tags, run.data.tags        # only the timings changed
+    assert run.data.metrics["generation_s"] == 10.0 and run.data.tags["prefect.flow_run_id"] == "first-flow-run"
+
+    track(plan, {**first, "accuracy": 0.0}, flow_run_id="third-flow-run")
+    [run] = _runs(plan.eval_key)
+    assert run.data.tags[DIFFERS_TAG] == "third-flow-run: accuracy", run.data.tags
+    assert run.data.metrics["accuracy"] == 0.5                      # the logged results stay as they were
+
+
 def test_a_live_writer_is_waited_for_and_a_dead_one_is_taken_over(mlflow_server, configs, tmp_path):
     """A RUNNING run whose writer is alive (fresh heartbeat) is not written into by another evaluation: that one
     waits and gives up with a retryable error; once the writer's lease has expired, its run is taken over and

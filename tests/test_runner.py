@@ -1,0 +1,47 @@
+"""What `evaldag run` says about the figures it prints: this flow run's own, and where they came from when the
+evaluation's MLflow run was logged by an earlier flow run (reused whole, or recomputed with results that differ)."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from evaldag.metrics import MEASUREMENT_KEYS, system_metrics
+from evaldag.runner import provenance
+from evaldag.stages import _STAT_COLUMNS
+from evaldag.tracking import differing_results
+
+LOGGED = {"accuracy": 0.25, "pass_at_4": 0.5, "generation_s": 100.0, "cache_hit_rate": 0.0, "step": 3.0}
+
+
+def test_every_system_figure_is_a_measurement_not_a_result():
+    """A system figure left out of MEASUREMENT_KEYS would make every recomputation look like other results."""
+    stats = pl.DataFrame([{"shard_index": 0, **dict.fromkeys(_STAT_COLUMNS, 1.0)}])
+    graded = pl.DataFrame({"latency_s": [0.5, 1.5]})
+    assert set(system_metrics(stats, graded)) <= MEASUREMENT_KEYS
+    assert {"reduce_s", "cache_hit_rate"} <= MEASUREMENT_KEYS and "accuracy" not in MEASUREMENT_KEYS
+
+
+def test_differing_results_ignore_timings_and_map_names_to_mlflow_keys():
+    same = {"accuracy": 0.25, "pass@4": 0.5, "generation_s": 80.0, "cache_hit_rate": 0.0, "reduce_s": 0.1}
+    assert differing_results(same, LOGGED) == []
+    assert differing_results({**same, "pass@4": 0.75}, LOGGED) == ["pass@4"]
+    assert differing_results({**same, "kl/mean": 0.1}, LOGGED) == ["kl/mean"]     # missing from the logged run
+    assert differing_results({"x": float("nan")}, {"x": float("nan")}) == []
+
+
+def test_a_run_this_flow_logged_needs_no_explanation():
+    assert provenance("fr-1", "fr-1", {"accuracy": 0.25, "cache_hit_rate": 0.0}, LOGGED) == []
+
+
+def test_a_reused_evaluation_says_nothing_was_recomputed():
+    for computed in ({"accuracy": 0.25, "cache_hit_rate": 1.0}, None):   # None: the flow's result not readable
+        assert provenance("fr-2", "fr-1", computed, LOGGED) == [
+            "this evaluation was computed and logged before: nothing was recomputed"]
+
+
+def test_a_recomputation_says_whose_figures_are_whose_and_warns_on_other_results():
+    computed = {"accuracy": 0.25, "pass@4": 0.5, "generation_s": 60.0, "cache_hit_rate": 0.0}
+    [line] = provenance("fr-2", "fr-1", computed, LOGGED)
+    assert line.startswith("recomputed by this flow run (0% of its stages reused)") and "flow run fr-1" in line
+    lines = provenance("fr-2", "fr-1", {**computed, "accuracy": 0.2}, LOGGED)
+    assert lines[1:] == ["warning: accuracy differs from the logged run: 0.2 here, 0.25 logged"]
