@@ -10,11 +10,14 @@ library, and the engine runs the pull step itself when it loads the flow.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import subprocess
 import sys
+
+from evaldag import warm_start
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
@@ -38,21 +41,30 @@ def _forward(sig: int, _frame: object) -> None:
         signal.signal(sig, _forward)
 
 
-def launch(command: list[str]) -> int:
-    """Run `command` in a new session with this process, forward stop signals to the whole group, and end as it
-    ended (the same exit code, or the same signal)."""
+def _new_session() -> None:
     try:
         os.setsid()
     except OSError:                        # already a session leader: nothing to leave
         pass
+
+
+def _end_as(code: int) -> int:
+    """Return `code`; for a run killed by a signal, end by the same signal, so that the worker reports it so."""
+    if code < 0:
+        with contextlib.suppress(OSError):     # SIGKILL has no handler to reset
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def launch(command: list[str]) -> int:
+    """Run `command` in a new session with this process, forward stop signals to the whole group, and end as it
+    ended (the same exit code, or the same signal)."""
+    _new_session()
     child = subprocess.Popen(command, preexec_fn=_die_with_launcher)
     for sig in _FORWARDED:
         signal.signal(sig, _forward)
-    code = child.wait()
-    if code < 0:                           # killed by a signal: end the same way, so the worker reports it so
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-    return code
+    return _end_as(child.wait())
 
 
 def module_command(module: str, argv: list[str]) -> list[str]:
@@ -63,9 +75,21 @@ def module_command(module: str, argv: list[str]) -> list[str]:
     return [sys.executable, "-c", f"import runpy; runpy.run_module({module!r}, run_name='__main__')", *argv]
 
 
+def run_program(module: str, argv: list[str]) -> int:
+    """Run `module` as the program with `argv`: forked by the worker's warm server when it has one
+    (evaldag.warm_start: the imports already done) and it takes the run, else started as `launch` says."""
+    path = os.environ.get(warm_start.SOCKET_ENV)
+    if path:
+        _new_session()
+        code = warm_start.run_module(path, module, argv)
+        if code is not None:
+            return _end_as(code)
+    return launch(module_command(module, argv))
+
+
 def main(argv: list[str]) -> int:
-    """Start Prefect's engine for the flow run named by PREFECT__FLOW_RUN_ID (or argv), as `launch` says."""
-    return launch(module_command("prefect.engine", argv))
+    """Start Prefect's engine for the flow run named by PREFECT__FLOW_RUN_ID (or argv), as `run_program` says."""
+    return run_program("prefect.engine", argv)
 
 
 if __name__ == "__main__":
