@@ -14,8 +14,11 @@ back. What a cold start guarantees holds here too:
 Nothing is shared between runs: each is a fresh fork of the server, which never runs anything itself. When no
 server answers (none configured, not started yet, gone), the launcher starts the run cold, as before.
 
-The server forks only while single-threaded (it runs on one thread with a selector and a SIGCHLD wake-up pipe), and
-the preloaded modules start no threads at import (checked at start: a module that does is left to the runs).
+The server runs on one Python thread (a selector and a SIGCHLD wake-up pipe) and serves nothing if the preloaded
+modules started Python threads. Native threads that libraries start at import (jemalloc's background threads under
+polars, one of torch's) are not copied into a fork; these libraries handle fork themselves (a forked run's vLLM
+engine generates at the tokens/s of a cold one, measured), and nothing is preloaded where fork is unsafe (vLLM on a
+host with NVIDIA devices).
 """
 
 from __future__ import annotations
