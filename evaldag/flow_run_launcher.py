@@ -11,7 +11,6 @@ library, and the engine runs the pull step itself when it loads the flow.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -20,16 +19,6 @@ import sys
 from evaldag import warm_start
 
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_launcher() -> None:
-    """In the engine, between fork and exec: a SIGKILL when the launcher dies (a worker's hard kill reaches the
-    launcher alone). Linux only; elsewhere the stack's `down` sweeps such leftovers."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _forward(sig: int, _frame: object) -> None:
@@ -61,7 +50,8 @@ def launch(command: list[str]) -> int:
     """Run `command` in a new session with this process, forward stop signals to the whole group, and end as it
     ended (the same exit code, or the same signal)."""
     _new_session()
-    child = subprocess.Popen(command, preexec_fn=_die_with_launcher)
+    # the engine dies with this launcher: a worker's hard kill reaches the launcher alone
+    child = subprocess.Popen(command, preexec_fn=warm_start.die_with_parent)
     for sig in _FORWARDED:
         signal.signal(sig, _forward)
     return _end_as(child.wait())

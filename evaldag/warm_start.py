@@ -59,8 +59,9 @@ def _name_process(name: bytes) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent (thread) ends. Linux only; a no-op elsewhere."""
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent (thread) ends. Linux only; a no-op elsewhere (there `evaldag down`
+    sweeps such leftovers)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -116,7 +117,7 @@ def serve_then_exec(path: str, preload: list[str], command: list[str]) -> None:
     pid = os.fork()
     if pid == 0:
         try:
-            _die_with_parent()
+            die_with_parent()
             serve(path, preload)
         finally:
             os._exit(0)
@@ -244,7 +245,7 @@ class _Server:
         code = 1
         try:
             os.setsid()                  # a session and process group of its own, as a cold start has
-            _die_with_parent()
+            die_with_parent()
             _name_process(b"evaldag-run")
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
