@@ -47,6 +47,7 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 _MAX_REQUEST = 4 << 20          # environment and argv of one run, as JSON
 _FDS = 3                        # stdin, stdout, stderr
+_REQUEST_TIMEOUT_S = 10.0       # to send one request: a connected client that stays silent is dropped after it
 _STARTING_ENV: dict[str, str] = {}
 
 
@@ -164,7 +165,8 @@ class _Server:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)    # a handler, so that the wake-up fd is written
         self.wake_w = wake_w
-        self.runs: dict[int, socket.socket] = {}          # run pid -> its launcher's connection
+        # run pid -> its launcher's connection; None once the launcher is gone and the run is being killed
+        self.runs: dict[int, socket.socket | None] = {}
         self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
 
@@ -180,6 +182,8 @@ class _Server:
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
+        # one thread serves every worker's runs: a client that connects and sends nothing must not stall them
+        conn.settimeout(_REQUEST_TIMEOUT_S)
         try:
             request, fds = _receive(conn)
         except (OSError, ValueError, KeyError) as e:
@@ -238,7 +242,7 @@ class _Server:
         _kill_group(pid)                 # reaped (and forgotten) by _reap once it is gone
         self.selector.unregister(conn)
         conn.close()
-        self.runs[pid] = None            # type: ignore[assignment]
+        self.runs[pid] = None
 
     def _become_run(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
         """In the forked child: shed the server, take the launcher's streams, environment and folder, run."""
@@ -290,20 +294,24 @@ class _Server:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A launcher's request and its streams; on any error the received descriptors are closed, not leaked."""
     msg, fds, _, _ = socket.recv_fds(conn, 4 + _MAX_REQUEST, _FDS)
-    if len(fds) != _FDS or len(msg) < 4:
+    try:
+        if len(fds) != _FDS or len(msg) < 4:
+            raise ValueError(f"expected {_FDS} file descriptors and a request")
+        (size,) = struct.unpack("!I", msg[:4])
+        body = msg[4:]
+        while len(body) < size:
+            chunk = conn.recv(size - len(body))
+            if not chunk:
+                raise ValueError("request cut short")
+            body += chunk
+        request = json.loads(body)
+        return {k: request[k] for k in ("module", "argv", "env", "cwd")}, fds
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise ValueError(f"expected {_FDS} file descriptors and a request")
-    (size,) = struct.unpack("!I", msg[:4])
-    body = msg[4:]
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise ValueError("request cut short")
-        body += chunk
-    request = json.loads(body)
-    return {k: request[k] for k in ("module", "argv", "env", "cwd")}, fds
+        raise
 
 
 def _differing_env(env: dict[str, str]) -> list[str]:

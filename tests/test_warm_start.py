@@ -166,3 +166,26 @@ def test_without_a_server_the_run_starts_cold(worker, workdir):
     launcher = worker.launcher(out, code=5, **{SOCKET_ENV: str(workdir / "nothing.sock")})
     assert launcher.wait(60) == 5
     assert _info(out)["ppid"] == launcher.pid
+
+
+def test_a_silent_or_malformed_client_does_not_stall_the_server(worker, workdir):
+    """One thread serves every run of the worker: a connection that never sends its request (or sends garbage) is
+    dropped, and the next launcher's run still starts warm."""
+    import socket
+
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(worker.socket)
+    garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    garbage.connect(worker.socket)
+    garbage.sendall(b"\x00\x00\x00\x05hello")               # no file descriptors: not a launcher
+    try:
+        out = workdir / "info.json"
+        launcher = worker.launcher(out, code=6)
+        launcher.communicate(timeout=60)
+        assert launcher.returncode == 6, (workdir / "launcher.err").read_text()
+        assert _info(out)["ppid"] == worker.server.pid        # forked by the server, once the silent one was dropped
+        assert silent.recv(1) == b""                           # the server closed the silent connection
+        assert len(os.listdir(f"/proc/{worker.server.pid}/fd")) < 16   # and leaked none of its descriptors
+    finally:
+        silent.close()
+        garbage.close()
