@@ -165,8 +165,7 @@ class _Server:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)    # a handler, so that the wake-up fd is written
         self.wake_w = wake_w
-        # run pid -> its launcher's connection; None once the launcher is gone and the run is being killed
-        self.runs: dict[int, socket.socket | None] = {}
+        self.runs: dict[int, socket.socket] = {}          # run pid -> its live launcher's connection
         self.selector.register(listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "child")
 
@@ -182,7 +181,7 @@ class _Server:
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()
-        # one thread serves every worker's runs: a client that connects and sends nothing must not stall them
+        # one thread serves every run of this worker: a client that connects and sends nothing must not stall them
         conn.settimeout(_REQUEST_TIMEOUT_S)
         try:
             request, fds = _receive(conn)
@@ -239,10 +238,10 @@ class _Server:
                 return
         except OSError:
             pass
-        _kill_group(pid)                 # reaped (and forgotten) by _reap once it is gone
+        _kill_group(pid)                 # reaped by _reap once it is gone, with nobody left to tell
         self.selector.unregister(conn)
         conn.close()
-        self.runs[pid] = None
+        del self.runs[pid]
 
     def _become_run(self, conn: socket.socket, request: dict, fds: list[int]) -> None:
         """In the forked child: shed the server, take the launcher's streams, environment and folder, run."""
@@ -259,8 +258,7 @@ class _Server:
                 os.close(fd)
             self.listener.close()
             for other in self.runs.values():
-                if other is not None:
-                    other.close()
+                other.close()
             conn.close()
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)

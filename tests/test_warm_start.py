@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -171,8 +172,6 @@ def test_without_a_server_the_run_starts_cold(worker, workdir):
 def test_a_silent_or_malformed_client_does_not_stall_the_server(worker, workdir):
     """One thread serves every run of the worker: a connection that never sends its request (or sends garbage) is
     dropped, and the next launcher's run still starts warm."""
-    import socket
-
     silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     silent.connect(worker.socket)
     garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
