@@ -169,6 +169,23 @@ def test_second_up_starts_nothing(stack, monkeypatch):
 
 
 @pytest.mark.stack
+def test_a_wall_clock_step_does_not_disown_the_running_stack(stack, monkeypatch):
+    """The wall clock jumps (NTP, a VM resumed after a pause): psutil's create times move with the boot time the
+    kernel derives from it. The stack must still recognise its own processes: all alive and healthy, nothing
+    restarted (before, `up` took the servers for dead and tried to start them again on their own busy ports)."""
+    import psutil._pslinux as pslinux
+    before = _pids(stack)
+    real_boot_time = pslinux.boot_time
+    monkeypatch.setattr(pslinux, "boot_time", lambda: real_boot_time() + 3600.0)
+    assert psutil.Process(before[PREFECT_SERVER]).create_time() > time.time()   # the step is visible to psutil
+    rows = stack.status()
+    assert all(r.alive and r.healthy for r in rows), rows
+    report = stack.up(deploy=False)
+    assert report.started == [] and sorted(report.kept) == sorted(ALL)
+    assert _pids(stack) == before
+
+
+@pytest.mark.stack
 def test_status_and_cli_status(stack):
     rows = stack.status()
     assert [r.component for r in rows] == ALL

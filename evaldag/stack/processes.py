@@ -1,5 +1,5 @@
 """Process supervision of the stack's components: start each in its own session with its log, recognise it again
-(pid *and* create time, so a recycled pid is never ours), stop whole process groups plus the descendants that left
+(pid *and* start time, so a recycled pid is never ours), stop whole process groups plus the descendants that left
 them, and sweep leftovers by their EVALDAG_STACK_ID.
 
 Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5): a worker whose SIGINT is inherited as ignored never
@@ -77,19 +77,25 @@ class ProcessSupervisor:
         _CHILDREN[proc.pid] = proc
         return {
             "kind": spec.kind, "pid": proc.pid, "create_time": psutil.Process(proc.pid).create_time(),
+            "start_ticks": start_ticks(proc.pid),
             "argv": spec.argv, "url": spec.url, "port": spec.port, "pool": spec.pool, "key": spec.key,
             "log": str(log), "log_offset": offset, "started_at": started_at,
         }
 
     def _proc(self, rec: dict) -> psutil.Process | None:
-        """The recorded process if it still runs and is the one we started (same pid *and* create time)."""
+        """The recorded process if it still runs and is the one we started (same pid *and* start time)."""
         pid = rec.get("pid")
         if not pid:
             return None
         self._reap(pid)
         try:
             p = psutil.Process(pid)
-            if abs(p.create_time() - rec["create_time"]) > 0.05 or not _running(p):
+            ticks = rec.get("start_ticks")
+            if ticks is not None and (now := start_ticks(pid)) is not None:
+                same = now == ticks
+            else:   # another OS, or a state file written before start ticks were recorded
+                same = abs(p.create_time() - rec["create_time"]) <= 0.05
+            if not same or not _running(p):
                 return None
             return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -244,6 +250,21 @@ def _safe(fn: Any, **kwargs: Any) -> list:
         return list(fn(**kwargs))
     except psutil.Error:
         return []
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux; None elsewhere or once it is gone).
+
+    Not `psutil.Process.create_time()`: that adds the boot time the kernel derives from the wall clock, so a clock
+    step (NTP, a VM resumed after a pause) moves every process's create time by the step, and a check against the
+    recorded value then takes live components for dead ones. The tick count since boot never changes."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: fields are counted after its closing one
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[19])  # field 22 of proc(5), starttime
 
 
 def _running(p: psutil.Process) -> bool:
