@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from evaldag import progress
+from evaldag import liveness, progress
 from evaldag.deployments import benchmark_deployments, eval_deployment
 from evaldag.errors import EvalDagError, StackError
 from evaldag.stack import Stack
@@ -52,7 +52,10 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
                 snap = progress.snapshot(client, fr.id)
                 display.update(fr.state.name if fr.state else "Pending", snap)
                 if fr.state and fr.state.is_final():
-                    break
+                    run_id = fr.id   # a false crash that the evaluation undoes is not its end (evaldag.liveness)
+                    fr = liveness.settled(lambda: client.read_flow_run(run_id))
+                    if fr.state.is_final():
+                        break
                 time.sleep(1)
     except KeyboardInterrupt:
         _interrupted(console, fr, url, ask=console.is_terminal)

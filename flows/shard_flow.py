@@ -25,12 +25,14 @@ from prefect import flow, get_run_logger, task
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
+from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from evaldag.deployments import SHARD_DEPLOYMENT, SHARD_FLOW
 from evaldag.engines import keep_loaded
 from evaldag.grading import start_worker_server
 from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, shard_gpus
+from evaldag.liveness import fence, is_lost_run_crash, revive, settled, watch_for_false_crash
 from evaldag.plan import EvalPlan, load_plan
 from evaldag.progress import artifact_progress
 from evaldag.stages import generate_shard, grade_shard, record_reused, shard_done, workload
@@ -92,6 +94,9 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
         while not (fr.state and fr.state.is_final()):
             time.sleep(1)
             fr = client.read_flow_run(fr.id)
+        if is_lost_run_crash(fr.state):
+            # the same window may have crashed this parent too: its retry can start no task until it is revived
+            settled(lambda: client.read_flow_run(parent_run_id))
     if not fr.state.is_completed():
         raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "
                            f"{fr.state.message}")
@@ -109,6 +114,13 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     CPU work and holds none, and runs after the engine is closed, so its memory is free again. Generations already
     in the store are reused without waiting for a slot or loading the engine.
     """
+    # a deployed shard set Crashed while it runs (a clock step, a partition) is relaunched by its parent, so this
+    # process stops; an inline shard runs in its parent's process and resumes instead (evaldag.liveness)
+    with watch_for_false_crash(flow_run.id, fence if _in_deployment() else revive):
+        return _shard_flow_body(plan_path, shard_index)
+
+
+def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     paths = [plan_path] if isinstance(plan_path, str) else list(plan_path)
     plans = [load_plan(p) for p in paths]
     to_generate = [plan for plan in plans

@@ -43,8 +43,11 @@ def state_history(flow_run_id) -> list:
 
 
 def wait_final(flow_run_id, timeout: float = 900.0):
-    """The flow run's final state, once it has one."""
-    return wait(lambda: (s := flow_run(flow_run_id).state) and s.is_final() and s, timeout=timeout, every=2)
+    """The flow run's final state, once it has one (a lost-run crash that the run undoes is not final)."""
+    from evaldag.liveness import settled
+
+    return wait(lambda: (s := settled(lambda: flow_run(flow_run_id)).state) and s.is_final() and s,
+                timeout=timeout, every=2)
 
 
 def children(parent_id) -> list:

@@ -137,6 +137,15 @@ def _children(parent_id) -> list:
     return asyncio.run(go())
 
 
+def _shard_processes(shard_id) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("PREFECT__FLOW_RUN_ID") == str(shard_id):
+                found.append(p)
+    return found
+
+
 def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     """kill -9 of a shard's flow-run process after its first batch: the shard is relaunched, regenerates only the
     missing batches, and the evaluation ends with exactly one row per (problem, sample)."""
@@ -152,13 +161,7 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     chunk = _wait(lambda: next((c for g in set(results.glob("gen-*")) - before
                                 for c in g.glob("*.chunks/batch-00000-*.parquet")), None), timeout=600, every=0.2)
     [shard] = _children(fr.id)
-    victims = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("PREFECT__FLOW_RUN_ID") == str(shard.id):
-                victims.append(p)
-        except psutil.Error:
-            continue
+    victims = _shard_processes(shard.id)
     assert victims, "the shard's flow-run process was not found"
     for p in victims:
         p.kill()                                                   # SIGKILL: no cleanup, like a lost node
@@ -178,6 +181,47 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     assert samples.height == 96 and run.data.metrics["n_samples"] == 96
     assert samples.select("sample_id", "sample_index").n_unique() == 96
     assert samples.group_by("sample_id").len()["len"].to_list() == [8] * 12
+
+
+def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
+    """What a clock step or a pause of the head does: the lost-run automation crashes an evaluation and its shard
+    while both still run. The evaluation sets itself Running again and completes; the shard's process stops (its
+    parent relaunches it, which resumes from the batches already written); every sample is there exactly once."""
+    from prefect.states import Crashed
+
+    from evaldag.cluster import MIN_HEARTBEAT_S, crash_automation
+    from evaldag.models import resolve_model
+    from evaldag.tracking import load_samples
+
+    folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
+    results = Path(live_stack.home) / "results" / "math500"
+    before = set(results.glob("gen-*"))
+    fr = run_deployment("eval/math500", timeout=0, parameters={
+        "checkpoint": folder, "limit": 12, "num_shards": 1, "step": 89, "train_run": "false-crash",
+        "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 48, "seed": 4}})
+    _wait(lambda: next((c for g in set(results.glob("gen-*")) - before
+                        for c in g.glob("*.chunks/batch-00000-*.parquet")), None), timeout=600, every=0.2)
+    [shard] = _children(fr.id)
+    old = _shard_processes(shard.id)
+    assert old, "the shard's flow-run process was not found"
+    [action] = crash_automation(MIN_HEARTBEAT_S).actions       # the automation's own state, message and all
+    with get_client(sync_client=True) as client:
+        for run_id in (fr.id, shard.id):
+            client.set_flow_run_state(run_id, Crashed(message=action.message), force=True)
+    gone, alive = psutil.wait_procs(old, timeout=60)
+    assert not alive, f"the crashed shard's processes still run: {alive}"
+    revived = _wait(lambda: (s := _state(fr.id)) and s.is_running() and s, timeout=60)
+    assert "still alive" in revived.message
+    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=900)
+    assert state.is_completed(), state.message
+    shards = sorted(_children(fr.id), key=lambda r: r.created)
+    assert [r.state.type.value for r in shards] == ["CRASHED", "COMPLETED"], shards
+
+    client = MlflowClient()
+    exp = client.get_experiment_by_name(experiment_name("math500"))
+    [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'false-crash'")
+    samples = load_samples(run.info.run_id)
+    assert samples.height == 96 and samples.select("sample_id", "sample_index").n_unique() == 96
 
 
 # figures of the machine and the attempt, not of the answers: they differ between any two runs

@@ -1,0 +1,104 @@
+"""A flow run that the lost-run automation set Crashed while its process still runs.
+
+The automation (evaldag.cluster.crash_automation) judges silence on the server's wall clock. A clock step on the head
+(NTP, a VM resumed after a pause) or a network partition longer than the window makes every live run look silent
+at once, and the automation crashes them all. What each kind of run does when it finds itself crashed that way:
+- an evaluation (the parent flow) is the only one that will ever finish its evaluation: it sets itself Running
+  again and goes on (`revive`);
+- a shard is relaunched by its parent as soon as it is seen Crashed: the old process must stop, so that two
+  processes never generate the same shard (`fence`).
+Followers of a parent (`evaldag run`, a parent's launch task) give such a crash `REVIVE_GRACE_S` to be undone
+before taking it as final (`settled`). A run whose process is really gone never revives: nothing changes for it.
+
+A watchdog thread (`watch_for_false_crash`) polls the run's own state every `POLL_S` seconds (one small API read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from evaldag.cluster import CRASH_AUTOMATION
+
+POLL_S = 2.0
+REVIVE_GRACE_S = 4 * POLL_S   # a parent undoes a false crash within one poll and one API round trip
+
+log = logging.getLogger("evaldag")
+
+
+def is_lost_run_crash(state: Any) -> bool:
+    """Whether `state` is the Crashed state the lost-run automation sets (not one the run's own engine reported)."""
+    return (state is not None and getattr(state.type, "value", state.type) == "CRASHED"
+            and CRASH_AUTOMATION in (state.message or ""))
+
+
+def revive(client: Any, flow_run_id: Any, crashed: Any) -> None:
+    """Set the live flow run `flow_run_id` Running again after a false crash (forced: Prefect would otherwise let
+    no task of it start while it is Crashed)."""
+    from prefect.states import Running
+
+    client.set_flow_run_state(flow_run_id, Running(message=(
+        f"still alive: the crash ({crashed.message}) came from a missed heartbeat window (a clock step or a pause of "
+        "the head, a network partition); resumed")), force=True)
+    log.warning("flow run %s was set Crashed by %r while it still runs: set Running again", flow_run_id,
+                CRASH_AUTOMATION)
+
+
+def fence(client: Any, flow_run_id: Any, crashed: Any) -> None:
+    """Stop this flow run's processes: it was declared lost and its parent relaunches it. SIGTERM to the run's
+    process group, as a worker's cancellation sends it: the engine and its children (vLLM's workers) stop the way
+    they do for any stop. Only for a run that leads its own group (a deployed run; evaldag.flow_run_launcher)."""
+    log.warning("flow run %s was set Crashed by %r while it still runs; its parent relaunches it, so this process "
+                "stops", flow_run_id, CRASH_AUTOMATION)
+    os.killpg(os.getpgrp(), signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def watch_for_false_crash(flow_run_id: Any, on_crash: Callable[[Any, Any, Any], None],
+                          poll_s: float = POLL_S) -> Iterator[None]:
+    """While the block runs, call `on_crash(client, flow_run_id, state)` each time the run is found in the lost-run
+    automation's Crashed state. A failed read (a server restart) is tried again at the next poll."""
+    from prefect.client.orchestration import get_client
+
+    if flow_run_id is None:   # the flow's function called outside a flow run: there is no state to watch
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        with get_client(sync_client=True) as client:
+            while not stop.wait(poll_s):
+                try:
+                    state = client.read_flow_run(flow_run_id).state
+                    if is_lost_run_crash(state):
+                        on_crash(client, flow_run_id, state)
+                except Exception:  # noqa: BLE001 - the next poll tries again; the run must not die of its watchdog
+                    log.debug("liveness poll of flow run %s failed", flow_run_id, exc_info=True)
+
+    thread = threading.Thread(target=watch, name="evaldag-liveness", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+
+
+def settled(read_run: Callable[[], Any], grace_s: float = REVIVE_GRACE_S, poll_s: float = 1.0) -> Any:
+    """The flow run `read_run()` returns, read again for up to `grace_s` seconds while it is in the lost-run
+    automation's Crashed state: a parent that still runs undoes that crash (see `revive`), so only a crash that
+    stays is returned as final."""
+    run = read_run()
+    deadline = time.monotonic() + grace_s
+    while is_lost_run_crash(run.state) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        run = read_run()
+    return run
+
+
+__all__ = ["POLL_S", "REVIVE_GRACE_S", "fence", "is_lost_run_crash", "revive", "settled", "watch_for_false_crash"]
