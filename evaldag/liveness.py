@@ -39,8 +39,8 @@ def is_lost_run_crash(state: Any) -> bool:
 
 
 def revive(client: Any, flow_run_id: Any, crashed: Any) -> None:
-    """Set the live flow run `flow_run_id` Running again after a false crash (forced: Prefect would otherwise let
-    no task of it start while it is Crashed)."""
+    """Set the live flow run `flow_run_id` Running again after a false crash; until then Prefect lets none of its
+    tasks start. Forced: the orchestration rules for a run entering Running are meant for one that starts."""
     from prefect.states import Running
 
     client.set_flow_run_state(flow_run_id, Running(message=(
