@@ -20,6 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 from prefect.deployments import run_deployment
 
+from cluster_helpers import flow_run_processes
 from evaldag.stack import MLFLOW_SERVER
 from evaldag.tracking import experiment_name
 
@@ -137,15 +138,6 @@ def _children(parent_id) -> list:
     return asyncio.run(go())
 
 
-def _shard_processes(shard_id) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get("PREFECT__FLOW_RUN_ID") == str(shard_id):
-                found.append(p)
-    return found
-
-
 def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     """kill -9 of a shard's flow-run process after its first batch: the shard is relaunched, regenerates only the
     missing batches, and the evaluation ends with exactly one row per (problem, sample)."""
@@ -161,7 +153,7 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     chunk = _wait(lambda: next((c for g in set(results.glob("gen-*")) - before
                                 for c in g.glob("*.chunks/batch-00000-*.parquet")), None), timeout=600, every=0.2)
     [shard] = _children(fr.id)
-    victims = _shard_processes(shard.id)
+    victims = flow_run_processes(shard.id)
     assert victims, "the shard's flow-run process was not found"
     for p in victims:
         p.kill()                                                   # SIGKILL: no cleanup, like a lost node
@@ -202,7 +194,7 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     _wait(lambda: next((c for g in set(results.glob("gen-*")) - before
                         for c in g.glob("*.chunks/batch-00000-*.parquet")), None), timeout=600, every=0.2)
     [shard] = _children(fr.id)
-    old = _shard_processes(shard.id)
+    old = flow_run_processes(shard.id)
     assert old, "the shard's flow-run process was not found"
     [action] = crash_automation(MIN_HEARTBEAT_S).actions       # the automation's own state, message and all
     with get_client(sync_client=True) as client:
