@@ -194,8 +194,8 @@ def run_event(stack_home: Path | None) -> None:
         return dst
 
     def wait_runs(benchmarks: list[str], step: int, timeout: float = 900) -> list:
-        end = time.time() + timeout
-        while time.time() < end:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
             runs = []
             for b in benchmarks:
                 exp = client.get_experiment_by_name(experiment_name(b))

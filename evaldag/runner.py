@@ -44,7 +44,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
                            f"{', '.join(benchmark_deployments())} (run `evaldag up` to redeploy)") from None
     url = f"{stack.prefect_url}/runs/flow-run/{fr.id}"
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
-    t0 = time.time()
+    t0 = time.monotonic()
     try:
         with get_client(sync_client=True) as client, progress.Display(console, name) as display:
             while True:
@@ -62,7 +62,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
         return
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
-    _print_result(console, benchmark, str(fr.id), _flow_summary(fr, benchmark), time.time() - t0, stack)
+    _print_result(console, benchmark, str(fr.id), _flow_summary(fr, benchmark), time.monotonic() - t0, stack)
 
 
 def _flow_summary(fr, benchmark: str) -> dict | None:

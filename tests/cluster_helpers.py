@@ -15,8 +15,8 @@ import psutil
 
 def wait(predicate: Callable[[], Any], timeout: float = 600.0, every: float = 1.0) -> Any:
     """The first truthy value of `predicate()`, polled every `every` s; AssertionError after `timeout` s."""
-    end = time.time() + timeout
-    while time.time() < end:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
         if value := predicate():
             return value
         time.sleep(every)

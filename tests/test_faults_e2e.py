@@ -45,8 +45,8 @@ def _state(flow_run_id):
 
 
 def _wait(predicate, timeout=600.0, every=1.0):
-    end = time.time() + timeout
-    while time.time() < end:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
         if value := predicate():
             return value
         time.sleep(every)
@@ -107,10 +107,10 @@ def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
             "limit": 2, "num_shards": 1, "step": 78, "train_run": "mlflow-hung", "sampling": {"max_new_tokens": 16}})
         [track] = _wait(lambda: [t for t in _track_attempts(fr.id) if t.state and t.state.name == "Running"],
                         timeout=600)
-        started = time.time()
+        started = time.monotonic()
         _wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
                           for t in _track_attempts(fr.id)), timeout=HUNG_ATTEMPT_MAX_S + 30)
-        print(f"a hung MLflow server cost the track attempt about {time.time() - started:.0f} s")
+        print(f"a hung MLflow server cost the track attempt about {time.monotonic() - started:.0f} s")
     finally:
         os.killpg(group, signal.SIGCONT)
     states = _track_states(track.id)

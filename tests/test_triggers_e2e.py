@@ -55,8 +55,8 @@ def _runs(deployment: str) -> list:
 
 
 def _wait_for(predicate, timeout: float = 600, every: float = 2.0):
-    end = time.time() + timeout
-    while time.time() < end:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
         value = predicate()
         if value:
             return value
