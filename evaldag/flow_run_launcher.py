@@ -11,14 +11,23 @@ library, and the engine runs the pull step itself when it loads the flow.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 
-from evaldag import warm_start
-
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent (thread) ends. Linux only; a no-op elsewhere (there `evaldag down`
+    sweeps such leftovers)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def _forward(sig: int, _frame: object) -> None:
@@ -51,7 +60,7 @@ def launch(command: list[str]) -> int:
     ended (the same exit code, or the same signal)."""
     _new_session()
     # the engine dies with this launcher: a worker's hard kill reaches the launcher alone
-    child = subprocess.Popen(command, preexec_fn=warm_start.die_with_parent)
+    child = subprocess.Popen(command, preexec_fn=die_with_parent)
     for sig in _FORWARDED:
         signal.signal(sig, _forward)
     return _end_as(child.wait())
@@ -65,21 +74,9 @@ def module_command(module: str, argv: list[str]) -> list[str]:
     return [sys.executable, "-c", f"import runpy; runpy.run_module({module!r}, run_name='__main__')", *argv]
 
 
-def run_program(module: str, argv: list[str]) -> int:
-    """Run `module` as the program with `argv`: forked by the worker's warm server when it has one
-    (evaldag.warm_start: the imports already done) and it takes the run, else started as `launch` says."""
-    path = os.environ.get(warm_start.SOCKET_ENV)
-    if path:
-        _new_session()
-        code = warm_start.run_module(path, module, argv)
-        if code is not None:
-            return _end_as(code)
-    return launch(module_command(module, argv))
-
-
 def main(argv: list[str]) -> int:
-    """Start Prefect's engine for the flow run named by PREFECT__FLOW_RUN_ID (or argv), as `run_program` says."""
-    return run_program("prefect.engine", argv)
+    """Start Prefect's engine for the flow run named by PREFECT__FLOW_RUN_ID (or argv), as `launch` says."""
+    return launch(module_command("prefect.engine", argv))
 
 
 if __name__ == "__main__":

@@ -400,16 +400,11 @@ with get_client(sync_client=True) as client:
 
 
 def _flow_run_processes(stack_id: str) -> list[psutil.Process]:
-    """A cold-started run is `python -c ...prefect.engine`; a warm-started one is a fork of the worker's warm-start
-    server (evaldag.warm_start: the same command line as the server, whose parent is the worker)."""
+    """A flow run's engine is `python -c ...prefect.engine` (evaldag.flow_run_launcher.module_command)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            cmd = " ".join(p.info["cmdline"] or [])
-            warm = "evaldag.warm_start" in cmd
-            if p.environ().get(STACK_ID_ENV) == stack_id and (
-                    ("prefect.engine" in cmd and not warm)
-                    or (warm and "evaldag.warm_start" in " ".join(p.parent().cmdline()))):
+            if p.environ().get(STACK_ID_ENV) == stack_id and "prefect.engine" in " ".join(p.info["cmdline"] or []):
                 found.append(p)
     return found
 

@@ -14,23 +14,12 @@ from evaldag import postgres as pg
 from evaldag.deployments import CPU_POOL, GPU_POOL
 from evaldag.errors import StackError
 from evaldag.stack.processes import _cli, _repo, _Spec
-from evaldag.warm_start import command as warm_start_command
 from evaldag.stack.settings import (_STACK_ENV, CPU_WORKER, MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, STACK_ID_ENV,
                                     StackSettings)
 
 # MLflow's default allowed Host headers (mlflow.server.security_utils): a head reached by a name needs it added
 _MLFLOW_ALLOWED_HOSTS = ("localhost,127.0.0.1,[::1],0.0.0.0,localhost:*,127.0.0.1:*,[[]::1]:*,0.0.0.0:*,192.168.*,"
                          "10.*," + ",".join(f"172.{i}.*" for i in range(16, 32)) + ",fc00:*,fd00:*")
-
-
-def _warm_preload(pool: str) -> list[str]:
-    """What the flow runs of `pool` import before their first step (evaldag.warm_start): Prefect's engine and the
-    pool's flows; on the gpu pool also the engine's libraries. vLLM only where no NVIDIA device is present: a fork
-    after CUDA or NVML is set up is not safe, and on a GPU host the model load dwarfs the import."""
-    if pool != GPU_POOL:
-        return ["prefect.engine", "flows.eval_flow", "flows.checkpoint_flow", "flows.sweeper_flow"]
-    heavy = ["transformers", "torch"] if Path("/dev/nvidiactl").exists() else ["vllm", "vllm.entrypoints.llm"]
-    return ["prefect.engine", "flows.shard_flow", *heavy]
 
 
 class Components:
@@ -107,7 +96,9 @@ class Components:
         settings (evaldag.cluster), the node's `worker_env` over them, and this node's own state folder."""
         s = self.settings
         info = self._head_info()
-        passthrough = {**info.env, **self._worker_settings(), **s.worker_env}
+        # the block is only as trustworthy as the Prefect API: take what the allow-list names, nothing that could
+        # change what the workers load or run (LD_PRELOAD, PYTHONPATH)
+        passthrough = {**cluster.accepted_env(info.env), **self._worker_settings(), **s.worker_env}
         worker_env = {**passthrough, **common, "EVALDAG_REPO": _repo(), **self._worker_runtime_env(),
                       "PREFECT_HOME": str(self.home / "prefect"), "PREFECT_API_URL": s.prefect_api_url,
                       "MLFLOW_TRACKING_URI": s.worker_env.get("MLFLOW_TRACKING_URI",
@@ -136,8 +127,6 @@ class Components:
         s = self.settings
         argv = [_cli("prefect"), "worker", "start", "--pool", pool, "--name", name, "--type", "process",
                 "--limit", str(limit)]
-        if s.warm_start:
-            argv = warm_start_command(str(self.home / "run" / f"{name}.sock"), _warm_preload(pool), argv)
         env = dict(worker_env)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu

@@ -30,7 +30,7 @@ _STACK_ENV = {
     "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_NUM_GPUS",
     "EVALDAG_GPU_WORKERS", "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
     "EVALDAG_ADVERTISE_HOST", "EVALDAG_DATABASE_URL", "EVALDAG_POSTGRES", "EVALDAG_POSTGRES_PORT",
-    "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME", "EVALDAG_WARM_START",
+    "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME",
 }
 _WILDCARD = ("0.0.0.0", "::", "")
 # The number of GPUs of the `gpu` pool had a second name, from before --tp, when it was also the number of gpu
@@ -60,9 +60,6 @@ class StackSettings(BaseModel):
     cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
     worker_query_seconds: float = Field(
         1, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
-    warm_start: bool = Field(
-        True, description="Workers fork their flow runs from a process that has imported Prefect, the flows and the "
-                          "engine already (evaldag.warm_start; EVALDAG_WARM_START=0 starts every run cold).")
     start_timeout_s: float = Field(180, gt=0, description="How long a server or worker may take to become healthy.")
     stop_timeout_s: float = Field(10, gt=0, description="Grace period per signal (SIGINT, SIGTERM) before SIGKILL.")
     advertise_host: str | None = Field(
@@ -239,8 +236,6 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
             values[key] = env[var]
     if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
         values["postgres"] = True
-    if env.get("EVALDAG_WARM_START", "").strip().lower() in ("0", "false", "no", "off"):
-        values["warm_start"] = False
     if env.get("EVALDAG_GPUS"):
         values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
         values.setdefault("num_gpus", len(values["gpus"]))
