@@ -20,6 +20,7 @@ step, a pause of the head or a partition, runs that still live can be crashed to
 
 from __future__ import annotations
 
+import logging
 import socket
 from datetime import timedelta
 from typing import Mapping
@@ -29,16 +30,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from evaldag.errors import StackError
 
+log = logging.getLogger(__name__)
+
 CLUSTER_BLOCK = "evaldag-cluster"
 CRASH_AUTOMATION = "evaldag-crash-lost-flow-runs"
 WATCHED_TAG = "evaldag"
 MIN_HEARTBEAT_S = 30  # Prefect's minimum for PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 MISSED_HEARTBEATS = 3  # a run is lost after this many heartbeat periods of silence
 
-# Variables of the head's environment that its nodes' workers need too: result store and MLflow credentials.
-SHARED_ENV_PREFIXES = ("AWS_", "AZURE_STORAGE_", "GOOGLE_CLOUD_PROJECT", "MLFLOW_TRACKING_", "HF_TOKEN")
-# EVALDAG_* settings that describe the head itself, never a node
-_NODE_LOCAL = {"EVALDAG_HOME", "EVALDAG_REPO", "EVALDAG_TORCH_THREADS"}
+# The only variables a node takes from the head's block, and so the only ones the head publishes: the workers'
+# EVALDAG_* data and result settings, and the result store's, MLflow's and the model hub's settings and
+# credentials. Whoever can write the block (anyone with access to the Prefect API) must not be able to change what
+# code a node's workers load or run: LD_* (LD_PRELOAD), PYTHON* (PYTHONPATH, PYTHONSTARTUP), PATH and everything
+# else not listed here is dropped on the node, with a warning that names it.
+NODE_ENV_ALLOWED_PREFIXES = ("EVALDAG_", "AWS_", "AZURE_STORAGE_")
+NODE_ENV_ALLOWED = frozenset({"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                              "MLFLOW_TRACKING_TOKEN", "HF_TOKEN", "GOOGLE_CLOUD_PROJECT"})
+# Never taken from the head even though a prefix above matches: the head's own paths and stack settings (a node has
+# its own), and AWS files (a path on the head means nothing on a node, and a config file can name a
+# `credential_process` command to run)
+_NODE_LOCAL = frozenset({"EVALDAG_HOME", "EVALDAG_REPO", "EVALDAG_TORCH_THREADS", "EVALDAG_STACK_ID",
+                         "EVALDAG_PG_BIN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"})
 _LOOPBACK = {"0.0.0.0", "::", "", "127.0.0.1", "localhost", "::1"}
 
 
@@ -56,12 +68,30 @@ class ClusterInfo(BaseModel):
     head: str = Field("", description="Host name of the head, for messages.")
 
 
+def allowed_from_head(key: str) -> bool:
+    """Whether a node takes variable `key` from the head (NODE_ENV_ALLOWED, NODE_ENV_ALLOWED_PREFIXES, less
+    the head's own settings)."""
+    return (key in NODE_ENV_ALLOWED or key.startswith(NODE_ENV_ALLOWED_PREFIXES)) and key not in _NODE_LOCAL
+
+
+def accepted_env(head_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of the head's block that a node applies (`allowed_from_head`); each one dropped is logged
+    as a warning, by name only (its value may be a secret)."""
+    dropped = sorted(k for k in head_env if not allowed_from_head(k))
+    if dropped:
+        log.warning("ignoring variables the head published that a node never takes from it: %s (a node takes "
+                    "only EVALDAG_* settings and result store, MLflow and hub credentials; give anything else "
+                    "with `evaldag worker --env KEY=VALUE`)", ", ".join(dropped))
+    return {k: v for k, v in head_env.items() if allowed_from_head(k)}
+
+
 def shared_env(worker_env: Mapping[str, str], caller_env: Mapping[str, str]) -> dict[str, str]:
     """The part of the head's worker environment that nodes get: EVALDAG_* settings (minus the head's own paths)
-    and the credential variables of `SHARED_ENV_PREFIXES` from the caller's environment."""
-    env = {k: v for k, v in worker_env.items() if k.startswith("EVALDAG_") and k not in _NODE_LOCAL}
+    and the credential variables nodes accept (`allowed_from_head`) from the caller's environment; the MLflow
+    URL is published apart (ClusterInfo.mlflow_url)."""
+    env = {k: v for k, v in worker_env.items() if k.startswith("EVALDAG_") and allowed_from_head(k)}
     env.update({k: v for k, v in caller_env.items()
-                if k.startswith(SHARED_ENV_PREFIXES) and k != "MLFLOW_TRACKING_URI"})
+                if allowed_from_head(k) and not k.startswith("EVALDAG_") and k != "MLFLOW_TRACKING_URI"})
     return env
 
 
@@ -203,5 +233,6 @@ def _canonical(value):
 
 
 __all__ = ["CLUSTER_BLOCK", "CRASH_AUTOMATION", "ClusterInfo", "MIN_HEARTBEAT_S", "MISSED_HEARTBEATS",
-           "WATCHED_TAG", "crash_automation", "ensure_crash_automation", "fetch", "public_host", "publish",
+           "NODE_ENV_ALLOWED", "NODE_ENV_ALLOWED_PREFIXES", "WATCHED_TAG", "accepted_env", "allowed_from_head",
+           "crash_automation", "ensure_crash_automation", "fetch", "public_host", "publish",
            "reachable", "server_url", "shared_env"]

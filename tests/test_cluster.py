@@ -78,6 +78,32 @@ def test_node_workers_come_from_the_head_and_the_command_line(tmp_path, monkeypa
     assert stack._urls() == {"prefect": "http://10.0.0.1:4200", "mlflow": "http://10.0.0.1:5000"}
 
 
+def test_a_node_never_applies_loader_or_interpreter_variables_from_the_head(tmp_path, monkeypatch, caplog):
+    # anyone who can write the block through the Prefect API could otherwise run code in every node's workers
+    hostile = {"LD_PRELOAD": "/tmp/evil.so", "LD_LIBRARY_PATH": "/tmp", "PYTHONPATH": "/tmp/evil",
+               "PYTHONSTARTUP": "/tmp/evil.py", "PATH": "/tmp/evil-bin", "EVALDAG_PG_BIN": "/tmp/evil-bin",
+               "AWS_CONFIG_FILE": "/tmp/cfg", "EVALDAG_REPO": "/tmp/evil-repo"}
+    info = cluster.ClusterInfo(prefect_url="http://10.0.0.1:4200", mlflow_url="http://10.0.0.1:5000",
+                               results_url="s3://bucket/evals",
+                               env={**hostile, "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t",
+                                    "HF_TOKEN": "h", "EVALDAG_DATA_DIR": "/data"})
+    stack = _node(tmp_path, monkeypatch)
+    monkeypatch.setattr(cluster, "fetch", lambda api: info)
+    with caplog.at_level("WARNING", logger="evaldag.cluster"):
+        env = stack._desired_specs("sid")["gpu7-gpu-0"].env
+    assert env.get("LD_PRELOAD") is None and env.get("LD_LIBRARY_PATH") != "/tmp"
+    assert env.get("PYTHONPATH") != "/tmp/evil" and "PYTHONSTARTUP" not in env
+    assert "/tmp/evil-bin" not in env["PATH"] and "EVALDAG_PG_BIN" not in env and "AWS_CONFIG_FILE" not in env
+    assert env["EVALDAG_REPO"] != "/tmp/evil-repo"
+    assert (env["AWS_SECRET_ACCESS_KEY"], env["MLFLOW_TRACKING_TOKEN"], env["HF_TOKEN"], env["EVALDAG_DATA_DIR"]) \
+        == ("k", "t", "h", "/data")
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert all(k in warned for k in ("LD_PRELOAD", "PYTHONPATH", "PATH")) and "/tmp/evil" not in warned
+    # the head publishes nothing a node would drop
+    assert cluster.shared_env({"EVALDAG_PG_BIN": "/x"}, {"LD_PRELOAD": "x", "PYTHONPATH": "y",
+                                                        "MLFLOW_TRACKING_INSECURE_TLS": "true"}) == {}
+
+
 def test_a_home_is_a_head_or_a_node_never_both(tmp_path, monkeypatch):
     stack = _node(tmp_path, monkeypatch)
     head_state = {"role": "head", "components": {"prefect-server": {}}, "urls": {"prefect": "http://x"}}
