@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from evaldag.errors import EvalDagError, warn_deprecated
+from evaldag.node_clock import MAX_CLOCK_SKEW_ENV, MAX_CLOCK_SKEW_S
 
 
 class _Group(TyperGroup):
@@ -162,14 +163,22 @@ def worker(
     env: Annotated[Optional[list[str]], typer.Option(
         "--env", help="KEY=VALUE for this node's workers, over what the head publishes (credentials, paths); "
         "repeatable.", show_default=False)] = None,
+    max_clock_skew_s: Annotated[float, typer.Option(
+        "--max-clock-skew-s", min=0, envvar=MAX_CLOCK_SKEW_ENV,
+        help="Refuse to join when this host's clock is further than this from the head's (its live runs would be "
+        "crashed as lost); 0 skips the check.")] = MAX_CLOCK_SKEW_S,
 ) -> None:
     """Join this machine to a head as a GPU node: start its `gpu` pool workers, pinned to its GPUs, pointed at the
     head's Prefect API, MLflow and result store (published by the head's `evaldag up`). State lives in this node's
     EVALDAG_HOME; `evaldag down` stops them."""
     from rich.console import Console
 
+    from evaldag.cluster import server_url
+    from evaldag.node_clock import check_clock
     from evaldag.stack import Stack, StackSettings
 
+    # before anything starts: a node whose clock lags the head's has every live shard crashed as lost
+    check_clock(server_url(server) + "/api", max_clock_skew_s)
     overrides = _env_pairs(env or [])
     if mlflow_url:
         overrides["MLFLOW_TRACKING_URI"] = mlflow_url
