@@ -145,9 +145,9 @@ class ProcessSupervisor:
                     if leader_only and sig != signal.SIGKILL:
                         os.kill(p.pid, sig)
                     else:
-                        os.killpg(p.pid, sig)
+                        _kill_group(p.pid, sig)
                         if sig != signal.SIGKILL:   # a stopped (SIGSTOP) process acts on the signal only once resumed
-                            os.killpg(p.pid, signal.SIGCONT)
+                            _kill_group(p.pid, signal.SIGCONT)
             if sig != signal.SIGINT and not leader_only:  # a worker's SIGINT handler stops its own flow runs first
                 for p in loose:
                     with contextlib.suppress(psutil.Error):
@@ -275,6 +275,16 @@ def _running(p: psutil.Process) -> bool:
         return p.is_running() and (p.status() != psutil.STATUS_ZOMBIE or p.num_threads() > 1)
     except psutil.Error:
         return False
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    """Send `sig` to the process group `pid`, or to the process `pid` alone when it leads no group (one stopped
+    before its setsid): the group signal would miss it. Never both: a leader that got a second SIGINT would take it
+    as "quit now" (uvicorn does)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        os.kill(pid, sig)
 
 
 def _group_members(pgid: int) -> list[psutil.Process]:
