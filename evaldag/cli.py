@@ -85,6 +85,10 @@ def up(
     heartbeat_s: Annotated[Optional[int], typer.Option(
         "--heartbeat-s", min=30, help="Seconds between flow-run heartbeats; a run silent for 3 periods (its node "
         "lost) is set Crashed and relaunched (env EVALDAG_HEARTBEAT_S; default 30).", show_default=False)] = None,
+    auth: Annotated[Optional[str], typer.Option(
+        "--auth", help="USER:PASSWORD (password of 12 characters or more) that the Prefect API and MLflow require; "
+        "needed when --host is not a loopback address; give the same to each node's `evaldag worker --auth` (env "
+        "EVALDAG_API_AUTH, which keeps it out of the shell history).", show_default=False)] = None,
 ) -> None:
     """Start the local stack (Prefect server, work pools and workers, MLflow server) and deploy the flows."""
     from rich.console import Console
@@ -96,7 +100,8 @@ def up(
         gpus = gpu_workers if gpus is None else gpus
     console = Console(highlight=False)
     stack = Stack(StackSettings.from_env(num_gpus=gpus, tp=tp, host=host, advertise_host=advertise_host,
-                                         database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s))
+                                         database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s,
+                                         api_auth=auth))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
     _print_up(console, stack, report)
@@ -122,12 +127,15 @@ def _print_up(console, stack, report) -> None:
     if st.postgres or st.database_url:
         db = f"private PostgreSQL in {stack.postgres_dir}" if st.postgres else "as given by --database-url"
         console.print(f"  database:   {db}", markup=False)
-    if st.host != st.local_host or st.advertise_host:
-        console.print(f"  join a GPU node: evaldag worker --server http://{st.public_host}:{st.prefect_port} --gpus N",
-                      markup=False)
+    if st.for_nodes:
+        auth = ' --auth "$EVALDAG_API_AUTH"' if stack.client_auth_env() else ""
+        console.print(f"  join a GPU node: evaldag worker --server http://{st.public_host}:{st.prefect_port}{auth} "
+                      "--gpus N", markup=False)
     console.print("To use it from this shell:")
-    for line in stack.env_lines():
+    for line in stack.env_lines(secrets=False):   # a password printed here would stay in logs and scrollback
         console.print(f"  {line}", markup=False)
+    if stack.client_auth_env():
+        console.print('  (the servers require the API auth: eval "$(evaldag env)" exports it too)', markup=False)
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -167,6 +175,9 @@ def worker(
         "--max-clock-skew-s", min=0, envvar=MAX_CLOCK_SKEW_ENV,
         help="Refuse to join when this host's clock is further than this from the head's (its live runs would be "
         "crashed as lost); 0 skips the check.")] = MAX_CLOCK_SKEW_S,
+    auth: Annotated[Optional[str], typer.Option(
+        "--auth", help="USER:PASSWORD the head was started with (`evaldag up --auth`); env EVALDAG_API_AUTH.",
+        show_default=False)] = None,
 ) -> None:
     """Join this machine to a head as a GPU node: start its `gpu` pool workers, pinned to its GPUs, pointed at the
     head's Prefect API, MLflow and result store (published by the head's `evaldag up`). State lives in this node's
@@ -186,7 +197,7 @@ def worker(
         overrides["EVALDAG_RESULTS_URL"] = results_url
     console = Console(highlight=False)
     stack = Stack(StackSettings.from_env(server=server, num_gpus=gpus, tp=tp, node_name=name,
-                                         worker_env=overrides))
+                                         worker_env=overrides, api_auth=auth))
     with console.status(f"joining {stack.settings.server} from {stack.home} ..."):
         report = stack.up(deploy=False)
     if report.started:

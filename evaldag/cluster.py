@@ -96,7 +96,9 @@ def shared_env(worker_env: Mapping[str, str], caller_env: Mapping[str, str]) -> 
 
 
 def publish(api_url: str, info: ClusterInfo) -> None:
-    """Save `info` as the Secret block CLUSTER_BLOCK on the Prefect server at `api_url` (overwriting it)."""
+    """Save `info` as the Secret block CLUSTER_BLOCK on the Prefect server at `api_url` (overwriting it).
+
+    Only for a head started for worker nodes, behind API auth: whoever reads the Prefect API reads the block."""
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -104,12 +106,29 @@ def publish(api_url: str, info: ClusterInfo) -> None:
         Secret(value=info.model_dump(mode="json")).save(CLUSTER_BLOCK, overwrite=True, _sync=True)
 
 
-def fetch(api_url: str) -> ClusterInfo:
-    """Read the head's ClusterInfo from its Prefect server; a clear error when the head is unreachable or has none."""
-    import httpx
-    from prefect.blocks.system import Secret
+def unpublish(api_url: str) -> bool:
+    """Delete the block CLUSTER_BLOCK from the Prefect server at `api_url`, if an earlier head left it there (a
+    stack with no nodes publishes no credentials); returns whether there was one."""
+    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        try:
+            doc = client.read_block_document_by_name(CLUSTER_BLOCK, block_type_slug="secret")
+        except ObjectNotFound:
+            return False
+        client.delete_block_document(doc.id)
+        return True
+
+
+def fetch(api_url: str, auth: str | None = None) -> ClusterInfo:
+    """Read the head's ClusterInfo from its Prefect server, with the head's API auth USER:PASSWORD (`auth`, when
+    it has one); a clear error when the head is unreachable, refuses the auth, or has no block."""
+    import httpx
+    from prefect.blocks.system import Secret
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     try:
         r = httpx.get(f"{api_url}/health", timeout=10)
@@ -119,9 +138,15 @@ def fetch(api_url: str) -> ClusterInfo:
     if not ok:
         raise StackError(f"cannot reach the head's Prefect API at {api_url} ({r}); is `evaldag up --host 0.0.0.0` "
                          "running there, and can this host reach that address and port?")
-    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+    with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
         try:
             value = Secret.load(CLUSTER_BLOCK, _sync=True).get()
+        except PrefectHTTPStatusError as e:
+            if e.response.status_code != 401:
+                raise
+            raise StackError(f"the head's Prefect API at {api_url} refused {'the' if auth else 'a request without'} "
+                             "auth (HTTP 401): give the USER:PASSWORD the head was started with (`evaldag up --auth`) "
+                             "as `evaldag worker --auth USER:PASSWORD` or EVALDAG_API_AUTH") from None
         except (ValueError, ObjectNotFound):
             raise StackError(f"the Prefect server at {api_url} has no block {CLUSTER_BLOCK!r}: it was not started "
                              "with `evaldag up` (or an older evaldag). Run `evaldag up` on the head, or give "
@@ -235,4 +260,4 @@ def _canonical(value):
 __all__ = ["CLUSTER_BLOCK", "CRASH_AUTOMATION", "ClusterInfo", "MIN_HEARTBEAT_S", "MISSED_HEARTBEATS",
            "NODE_ENV_ALLOWED", "NODE_ENV_ALLOWED_PREFIXES", "WATCHED_TAG", "accepted_env", "allowed_from_head",
            "crash_automation", "ensure_crash_automation", "fetch", "public_host", "publish",
-           "reachable", "server_url", "shared_env"]
+           "reachable", "server_url", "shared_env", "unpublish"]

@@ -26,6 +26,7 @@ def point_clients_at_stack(stack: Stack, need_prefect: bool = True) -> None:
                          "start it with `evaldag up`")
     os.environ["PREFECT_API_URL"] = stack.prefect_url + "/api"
     os.environ["MLFLOW_TRACKING_URI"] = stack.mlflow_url
+    os.environ.update(stack.client_auth_env())   # a stack with API auth (`evaldag up --auth`) lets nobody in without
 
 
 def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:

@@ -52,7 +52,7 @@ def _node(tmp_path, monkeypatch, **kw) -> Stack:
     info = cluster.ClusterInfo(prefect_url="http://10.0.0.1:4200", mlflow_url="http://0.0.0.0:5000",
                                results_url="s3://bucket/evals", heartbeat_s=45,
                                env={"AWS_SECRET_ACCESS_KEY": "from-head", "EVALDAG_DATA_DIR": "/data"})
-    monkeypatch.setattr(cluster, "fetch", lambda api: info)
+    monkeypatch.setattr(cluster, "fetch", lambda api, auth=None: info)
     for var in ("EVALDAG_RESULTS_URL", "EVALDAG_RESULTS_DIR", "EVALDAG_GPUS", "EVALDAG_NUM_GPUS",
                 "EVALDAG_GPU_WORKERS", "EVALDAG_DATA_DIR"):
         monkeypatch.delenv(var, raising=False)
@@ -88,7 +88,7 @@ def test_a_node_never_applies_loader_or_interpreter_variables_from_the_head(tmp_
                                env={**hostile, "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t",
                                     "HF_TOKEN": "h", "EVALDAG_DATA_DIR": "/data"})
     stack = _node(tmp_path, monkeypatch)
-    monkeypatch.setattr(cluster, "fetch", lambda api: info)
+    monkeypatch.setattr(cluster, "fetch", lambda api, auth=None: info)
     with caplog.at_level("WARNING", logger="evaldag.cluster"):
         env = stack._desired_specs("sid")["gpu7-gpu-0"].env
     assert env.get("LD_PRELOAD") is None and env.get("LD_LIBRARY_PATH") != "/tmp"
@@ -161,3 +161,126 @@ def test_the_automation_file_for_other_servers_is_the_one_up_creates():
     text = (paths.REPO_ROOT / "deployments" / "crash-automation.yaml").read_text()
     from_file = AutomationCore.model_validate(yaml.safe_load(text)).model_dump(mode="json")
     assert cluster._canonical(from_file) == cluster._canonical(cluster.crash_automation(30).model_dump(mode="json"))
+
+
+def _configure_only(monkeypatch) -> list[str]:
+    """Stub what _configure_server does over HTTP; returns the list the cluster block calls are recorded in."""
+    calls: list[str] = []
+    monkeypatch.setattr(cluster, "publish", lambda api, info: calls.append(f"publish {sorted(info.env)}"))
+    monkeypatch.setattr(cluster, "unpublish", lambda api: calls.append("unpublish"), raising=False)
+    monkeypatch.setattr(cluster, "ensure_crash_automation", lambda api, hb: "kept")
+    monkeypatch.setattr("evaldag.prefect_results.configure", lambda api, root: None)
+    monkeypatch.setattr(Stack, "_ensure_pools", lambda self: None)
+    monkeypatch.setattr(Stack, "_ensure_gpu_limit", lambda self, reset_slots=False: None)
+    return calls
+
+
+def test_a_stack_without_nodes_publishes_no_credentials(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cret")
+    monkeypatch.setenv("HF_TOKEN", "hf")
+    calls = _configure_only(monkeypatch)
+    for host in ("127.0.0.1", "localhost", "127.0.0.2", "::1"):
+        Stack(StackSettings(home=tmp_path, host=host))._configure_server(fresh=True)
+    # loopback only: no block, and one an earlier head left is deleted
+    assert calls == ["unpublish"] * 4
+    calls.clear()
+    auth = "evaldag:correct-horse-battery"
+    for kw in ({"host": "0.0.0.0"}, {"host": "10.0.0.1"}, {"host": "127.0.0.1", "advertise_host": "head.example"}):
+        Stack(StackSettings(home=tmp_path, api_auth=auth, **kw))._configure_server(fresh=True)
+    assert len(calls) == 3 and all(c.startswith("publish") and "AWS_SECRET_ACCESS_KEY" in c for c in calls)
+
+
+def test_a_head_beyond_loopback_without_auth_refuses_to_start(tmp_path, monkeypatch):
+    def no_start(*a, **kw):
+        raise AssertionError("a component was started")
+
+    monkeypatch.setattr(Stack, "_spawn", no_start)
+    monkeypatch.setattr(Stack, "_check_port_free", no_start)
+    for host in ("0.0.0.0", "10.0.0.1", "::", "head.example"):
+        with pytest.raises(StackError, match="without authentication.*--auth USER:PASSWORD"):
+            Stack(StackSettings(home=tmp_path, host=host)).up()
+    assert not (tmp_path / "stack" / "state.json").exists()
+    # the same through the command line: one clear line, exit code 1
+    result = CliRunner().invoke(app, ["up", "--host", "10.0.0.1", "--no-deploy"],
+                                env={"EVALDAG_HOME": str(tmp_path), "EVALDAG_API_AUTH": ""})
+    assert result.exit_code == 1 and "--auth USER:PASSWORD" in result.output and "Traceback" not in result.output
+    with pytest.raises(StackError, match="at least 12 characters"):
+        StackSettings.from_env(home=tmp_path, host="0.0.0.0", api_auth="evaldag:short")
+    StackSettings(home=tmp_path, host="10.0.0.1", api_auth="evaldag:correct-horse-battery").check_exposure()
+    StackSettings(home=tmp_path, host="127.0.0.1").check_exposure()      # loopback needs none
+
+
+def test_auth_reaches_both_servers_every_worker_and_the_nodes_but_not_the_block(tmp_path, monkeypatch):
+    auth = "evaldag:correct-horse-battery"
+    monkeypatch.setenv("EVALDAG_API_AUTH", auth)
+    s = StackSettings.from_env(home=tmp_path, host="0.0.0.0")
+    assert s.api_auth == auth and auth not in repr(s)
+    stack = Stack(s)
+    specs = stack._desired_specs("sid")
+    assert specs["prefect-server"].env["PREFECT_SERVER_API_AUTH_STRING"] == auth
+    mlflow = specs["mlflow-server"]
+    assert mlflow.argv[mlflow.argv.index("--app-name") + 1] == "basic-auth"
+    assert (mlflow.env["MLFLOW_AUTH_ADMIN_USERNAME"], mlflow.env["MLFLOW_AUTH_ADMIN_PASSWORD"]) == (
+        "evaldag", "correct-horse-battery")
+    worker = specs[CPU_WORKER].env
+    assert (worker["PREFECT_API_AUTH_STRING"], worker["MLFLOW_TRACKING_USERNAME"],
+            worker["MLFLOW_TRACKING_PASSWORD"]) == (auth, "evaldag", "correct-horse-battery")
+    assert "EVALDAG_API_AUTH" not in worker and "EVALDAG_API_AUTH" not in stack._cluster_info().env
+    assert stack._api_headers()["Authorization"].startswith("Basic ")
+    # a node: its --auth goes to its workers, for the head's Prefect API and MLflow
+    monkeypatch.delenv("EVALDAG_API_AUTH")
+    node = _node(tmp_path / "node", monkeypatch, api_auth=auth)
+    env = node._desired_specs("sid")["gpu7-gpu-0"].env
+    assert (env["PREFECT_API_AUTH_STRING"], env["MLFLOW_TRACKING_PASSWORD"]) == (auth, "correct-horse-battery")
+
+
+def test_servers_with_auth_answer_401_to_a_client_without_it(tmp_path):
+    """Both servers as the stack starts them with --auth (on loopback, a few seconds): a request without the auth
+    gets 401, one with it gets in; health stays open for probes."""
+    import base64
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import httpx
+
+    from conftest import free_ports
+
+    auth = "evaldag:correct-horse-battery"
+    prefect_port, mlflow_port = free_ports(2)
+    specs = Stack(StackSettings(home=tmp_path, prefect_port=prefect_port, mlflow_port=mlflow_port,
+                                api_auth=auth))._desired_specs("sid")
+    procs = [subprocess.Popen(specs[name].argv, env={**os.environ, **specs[name].env}, cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+             for name in ("prefect-server", "mlflow-server")]
+    prefect, mlflow = f"http://127.0.0.1:{prefect_port}/api", f"http://127.0.0.1:{mlflow_port}"
+    try:
+        deadline = time.monotonic() + 120
+        for health in (f"{prefect}/health", f"{mlflow}/health"):      # open without auth, for probes
+            while True:
+                try:
+                    if httpx.get(health, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "servers did not start"
+                time.sleep(0.5)
+        basic = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()}
+        wrong = {"Authorization": "Basic " + base64.b64encode(b"evaldag:wrong-password-123").decode()}
+        assert httpx.post(f"{prefect}/block_documents/filter", json={}, timeout=10).status_code == 401
+        assert httpx.post(f"{prefect}/block_documents/filter", json={}, headers=wrong, timeout=10).status_code == 401
+        assert httpx.post(f"{prefect}/block_documents/filter", json={}, headers=basic, timeout=10).status_code == 200
+        search = f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=1"
+        assert httpx.get(search, timeout=10).status_code == 401
+        assert httpx.get(search, headers=wrong, timeout=10).status_code == 401
+        assert httpx.get(search, headers=basic, timeout=10).status_code == 200
+    finally:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)

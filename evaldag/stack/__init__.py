@@ -72,6 +72,7 @@ class Stack(Components, ProcessSupervisor, PrefectSetup, StateFile):
         t0 = time.monotonic()
         report = UpReport()
         node = self.settings.server is not None
+        self.settings.check_exposure()  # before anything starts: no open head on a network
         with self._lock():
             state = self._load_state() or self._new_state()
             self._check_role(state)
@@ -196,13 +197,17 @@ class Stack(Components, ProcessSupervisor, PrefectSetup, StateFile):
             rows.append(ComponentStatus(name, rec.get("pid"), alive, healthy, rec.get("url")))
         return rows
 
-    def env_lines(self) -> list[str]:
-        """`export` lines that point a shell at this stack (`eval "$(evaldag env)"`)."""
+    def env_lines(self, secrets: bool = True) -> list[str]:
+        """`export` lines that point a shell at this stack (`eval "$(evaldag env)"`); with `secrets`, also the
+        API auth's variables of a stack that has one (`client_auth_env`)."""
         state = self._load_state()
         env = self._client_env(state) if state else {
             "PREFECT_API_URL": self.settings.prefect_api_url, "MLFLOW_TRACKING_URI": self.settings.mlflow_url,
-            "EVALDAG_HOME": str(self.home)}
-        keys = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "EVALDAG_HOME")
+            "EVALDAG_HOME": str(self.home), **self.client_auth_env({})}
+        keys = ["PREFECT_API_URL", "MLFLOW_TRACKING_URI", "EVALDAG_HOME"]
+        if secrets:
+            keys += [k for k in ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+                     if k in env]
         return [f"export {k}={shlex.quote(env[k])}" for k in keys]
 
     @property

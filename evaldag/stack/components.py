@@ -3,6 +3,8 @@ is kept), for a head or a worker node, and the worker settings remembered betwee
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import socket
@@ -36,7 +38,34 @@ class Components:
             "MLFLOW_TRACKING_URI": state["urls"]["mlflow"],
             "EVALDAG_HOME": str(self.home),
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            **self.client_auth_env(state),
         }
+
+    def client_auth_env(self, state: dict | None = None) -> dict[str, str]:
+        """The variables that let a Prefect and an MLflow client in through the stack's auth (empty without auth):
+        PREFECT_API_AUTH_STRING, MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD."""
+        auth = self._api_auth(state)
+        if not auth:
+            return {}
+        user, _, password = auth.partition(":")
+        return {"PREFECT_API_AUTH_STRING": auth, "MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password}
+
+    def _api_auth(self, state: dict | None = None) -> str | None:
+        """USER:PASSWORD of the stack's servers: the settings' (`--auth`, EVALDAG_API_AUTH), else the one the
+        running stack was started with (so `evaldag run` or `status` in another shell gets in too)."""
+        if self.settings.api_auth:
+            return self.settings.api_auth
+        state = state if state is not None else self._load_state()
+        for rec in (state or {}).get("components", {}).values():
+            env = rec.get("key", {}).get("env", {})
+            if auth := env.get("PREFECT_SERVER_API_AUTH_STRING") or env.get("PREFECT_API_AUTH_STRING"):
+                return auth
+        return None
+
+    def _api_headers(self) -> dict[str, str]:
+        """The Authorization header of a request to the stack's Prefect API (none without auth)."""
+        auth = self._api_auth()
+        return {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
 
     def _desired_specs(self, stack_id: str) -> dict[str, _Spec]:
         s = self.settings
@@ -64,6 +93,8 @@ class Components:
         if s.host != s.local_host or s.advertise_host:
             # the UI runs in browsers on other hosts: it must call the API by an address they reach
             env["PREFECT_UI_API_URL"] = f"http://{s.public_host}:{s.prefect_port}/api"
+        if s.api_auth:
+            env["PREFECT_SERVER_API_AUTH_STRING"] = s.api_auth
         specs[PREFECT_SERVER] = _Spec(PREFECT_SERVER, "server", argv, env, home, s.prefect_url, s.prefect_port,
                                       key={"argv": argv, "env": env})
 
@@ -72,6 +103,9 @@ class Components:
                 "--artifacts-destination", str(mlflow_dir / "artifacts"),
                 "--host", s.host, "--port", str(s.mlflow_port), "--workers", "1"]
         env = {**common, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        if s.api_auth:
+            argv += ["--app-name", "basic-auth"]
+            env.update(self._mlflow_auth_env(mlflow_dir, s.api_auth))
         if s.advertise_host and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):
             # MLflow answers 403 to a Host header it does not know; private addresses are known, names are not
             env["MLFLOW_SERVER_ALLOWED_HOSTS"] = f"{_MLFLOW_ALLOWED_HOSTS},{s.advertise_host},{s.advertise_host}:*"
@@ -83,7 +117,7 @@ class Components:
         passthrough.setdefault("EVALDAG_CHECKPOINT_ROOTS", str(paths.REPO_ROOT / "runs"))
         worker_env = {**passthrough, **common, **repo, **self._worker_runtime_env(),
                       "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
-                      "MLFLOW_TRACKING_URI": s.mlflow_url}
+                      "MLFLOW_TRACKING_URI": s.mlflow_url, **self.client_auth_env({})}
         workers = [(CPU_WORKER, CPU_POOL, s.cpu_worker_limit, None)]
         workers += [(f"gpu-worker-{i}", GPU_POOL, 1, ",".join(ids) if ids is not None else None)
                     for i, ids in enumerate(s.gpu_assignment)]
@@ -106,6 +140,11 @@ class Components:
                       "EVALDAG_RESULTS_URL": s.worker_env.get("EVALDAG_RESULTS_URL", info.results_url)}
         # the head's crash automation expects its period; a node that beat slower would be crashed while alive
         worker_env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(info.heartbeat_s)
+        if s.api_auth:
+            auth = self.client_auth_env({})
+            if "MLFLOW_TRACKING_URI" in s.worker_env:  # another MLflow than the head's: its credentials stay
+                auth = {"PREFECT_API_AUTH_STRING": auth["PREFECT_API_AUTH_STRING"]}
+            worker_env.update(auth)
         return {name: self._worker_spec(name, GPU_POOL, 1, ",".join(ids) if ids is not None else None, worker_env,
                                         passthrough)
                 for name, ids in ((f"{s.node_name}-gpu-{i}", ids) for i, ids in enumerate(s.gpu_assignment))}
@@ -141,13 +180,34 @@ class Components:
         env["PATH"] = os.pathsep.join(dict.fromkeys([bin_dir, *os.environ.get("PATH", os.defpath).split(os.pathsep)]))
         return _Spec(name, "worker", argv, env, paths.REPO_ROOT, pool=pool, key=key)
 
+    @staticmethod
+    def _mlflow_auth_env(mlflow_dir: Path, auth: str) -> dict[str, str]:
+        """Environment of MLflow's basic-auth app with one admin user, USER:PASSWORD of `auth`.
+
+        MLflow creates the admin from MLFLOW_AUTH_ADMIN_PASSWORD only when its user store lacks that user, and
+        ignores the variable afterwards: each auth string gets a user store of its own, so a new password works
+        at once (users added by hand to the old store stay in its file)."""
+        user, _, password = auth.partition(":")
+        digest = hashlib.sha256(auth.encode()).hexdigest()
+        mlflow_dir.mkdir(parents=True, exist_ok=True)
+        ini = mlflow_dir / "basic_auth.ini"
+        ini.write_text("[mlflow]\ndefault_permission = NO_PERMISSIONS\n"
+                       f"database_uri = sqlite:///{mlflow_dir / f'basic_auth-{digest[:12]}.db'}\n"
+                       f"admin_username = {user}\n"
+                       "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        return {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_AUTH_ADMIN_USERNAME": user,
+                "MLFLOW_AUTH_ADMIN_PASSWORD": password,
+                # the app's CSRF protection needs a key that stays the same across restarts: derived from the
+                # auth string, as secret as it is
+                "MLFLOW_FLASK_SERVER_SECRET_KEY": hashlib.sha256(f"evaldag-mlflow-csrf:{auth}".encode()).hexdigest()}
+
     def _head_info(self) -> cluster.ClusterInfo:
         """What the head publishes (fetched once per Stack); with --mlflow-url and --results-url both given on
         the command line, a head without the block (not started by `evaldag up`) is fine too."""
         if getattr(self, "_info", None) is None:
             s = self.settings
             try:
-                self._info = cluster.fetch(s.prefect_api_url)
+                self._info = cluster.fetch(s.prefect_api_url, auth=s.api_auth)
             except StackError:
                 if not {"MLFLOW_TRACKING_URI", "EVALDAG_RESULTS_URL"} <= s.worker_env.keys():
                     raise

@@ -112,6 +112,12 @@ class PrefectSetup:
 
     def _configure_server(self, fresh: bool) -> None:
         """Work pools, the gpu limit, result storage, crash automation and cluster info on the head's server."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_AUTH_STRING: self.settings.api_auth}):
+            self._configure_server_authenticated(fresh)
+
+    def _configure_server_authenticated(self, fresh: bool) -> None:
         self._ensure_pools()
         # a fresh server lost every lease (leases live in its memory): slots counted as held are orphans
         self._ensure_gpu_limit(reset_slots=fresh)
@@ -119,14 +125,19 @@ class PrefectSetup:
         prefect_results.configure(self.settings.prefect_api_url, self._results_root())
         # lost nodes: runs whose heartbeats stop are set Crashed, so their parents relaunch them
         cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s)
-        cluster.publish(self.settings.prefect_api_url, self._cluster_info())
+        # the block holds credentials and the Prefect API hands it to whoever asks: only a head started for nodes
+        # (which has API auth, see StackSettings.check_exposure) publishes it
+        if self.settings.for_nodes:
+            cluster.publish(self.settings.prefect_api_url, self._cluster_info())
+        else:
+            cluster.unpublish(self.settings.prefect_api_url)
 
     def _ensure_pools(self) -> None:
         """Create the process work pools `cpu` and `gpu` if missing: Prefect's default process job template, whose
         flow runs start with FLOW_RUN_COMMAND. A pool that exists without a command gets it; one with a command of
         its own keeps it."""
         api = self.settings.prefect_api_url
-        with httpx.Client(base_url=api, timeout=30, transport=_RetryBusy()) as client:
+        with httpx.Client(base_url=api, timeout=30, transport=_RetryBusy(), headers=self._api_headers()) as client:
             for pool in POOLS:
                 r = client.get(f"/work_pools/{pool}")
                 if r.status_code == 200:
@@ -166,7 +177,8 @@ class PrefectSetup:
         body: dict[str, Any] = {"limit": n, "active": n > 0}
         if reset_slots:
             body.update(active_slots=0, denied_slots=0)
-        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, transport=_RetryBusy()) as client:
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, transport=_RetryBusy(),
+                          headers=self._api_headers()) as client:
             r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
             if r.status_code == 404:
                 r = client.post("/v2/concurrency_limits/", json={"name": GPU_LIMIT, **body})
@@ -177,11 +189,15 @@ class PrefectSetup:
                                  f"HTTP {r.status_code} {r.text[:500]}")
 
     def _check_head_pools(self) -> None:
-        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30) as client:
+        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, headers=self._api_headers()) as client:
             try:
                 r = client.get("/work_pools/gpu")
             except httpx.HTTPError as e:
                 raise StackError(f"cannot reach the head's Prefect API at {self.settings.prefect_api_url}: {e}")
+        if r.status_code == 401:
+            raise StackError(f"the Prefect server at {self.settings.server} refused this node's auth (HTTP 401): give "
+                             "the USER:PASSWORD the head was started with as `evaldag worker --auth` or "
+                             "EVALDAG_API_AUTH")
         if r.status_code != 200:
             raise StackError(f"the Prefect server at {self.settings.server} has no `gpu` work pool (HTTP "
                              f"{r.status_code}); run `evaldag up` on the head first")
@@ -192,7 +208,7 @@ class PrefectSetup:
         api = state["urls"]["prefect"] + "/api"
         online: set[str] = set()
         try:
-            with httpx.Client(base_url=api, timeout=2) as client:
+            with httpx.Client(base_url=api, timeout=2, headers=self._api_headers()) as client:
                 for pool in {comps[n]["pool"] for n in names}:
                     r = client.post(f"/work_pools/{pool}/workers/filter", json={})
                     if r.status_code != 200:

@@ -3,6 +3,7 @@ the rows `Stack.status()` and `Stack.up()` report."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ _STACK_ENV = {
     "EVALDAG_GPU_WORKERS", "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
     "EVALDAG_ADVERTISE_HOST", "EVALDAG_DATABASE_URL", "EVALDAG_POSTGRES", "EVALDAG_POSTGRES_PORT",
     "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME",
+    "EVALDAG_API_AUTH",
 }
 _WILDCARD = ("0.0.0.0", "::", "")
+MIN_AUTH_PASSWORD = 12
 # The number of GPUs of the `gpu` pool had a second name, from before --tp, when it was also the number of gpu
 # workers; the old names still work and say that they are deprecated.
 _OLD_NUM_GPUS_KEY = "gpu_workers"                     # settings key / from_env keyword (now num_gpus)
@@ -84,6 +87,10 @@ class StackSettings(BaseModel):
                            description="Name of a worker node (EVALDAG_NODE_NAME): prefix of its workers' names.")
     worker_env: dict[str, str] = Field(default_factory=dict, description="Variables a worker node's workers get "
                                        "over the head's (`evaldag worker --env K=V`, --mlflow-url, --results-url).")
+    api_auth: str | None = Field(
+        None, repr=False, description="USER:PASSWORD both servers of a head require (`--auth`, EVALDAG_API_AUTH): "
+        "Prefect's PREFECT_SERVER_API_AUTH_STRING, MLflow's basic-auth admin. Required on a head that listens "
+        "beyond loopback; a worker node gives the head's.")
 
     @model_validator(mode="before")
     @classmethod
@@ -109,6 +116,18 @@ class StackSettings(BaseModel):
                              "postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (or sqlite+aiosqlite:///PATH)"
                              + (f"; did you mean {hint}?" if hint else ""))
         return self
+
+    @field_validator("api_auth")
+    @classmethod
+    def _auth_form(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        user, sep, password = value.partition(":")
+        # MLflow's basic-auth app refuses an admin password under 12 characters (mlflow.utils.validation)
+        if not sep or not user or len(password) < MIN_AUTH_PASSWORD:
+            raise ValueError(f"the API auth (--auth, EVALDAG_API_AUTH) must be USER:PASSWORD with a password of at "
+                             f"least {MIN_AUTH_PASSWORD} characters, e.g. evaldag:$(openssl rand -hex 16)")
+        return value
 
     @field_validator("server")
     @classmethod
@@ -175,6 +194,28 @@ class StackSettings(BaseModel):
             raise StackError(f"invalid stack settings: {e}") from None
 
     @property
+    def loopback_only(self) -> bool:
+        """Whether the servers listen on a loopback address only (nobody on another host reaches them)."""
+        return _is_loopback(self.host)
+
+    @property
+    def for_nodes(self) -> bool:
+        """Whether this head is started for worker nodes: it listens beyond loopback, or advertises an address (a
+        proxy or tunnel in front of it). Only such a head publishes the cluster block."""
+        return not self.loopback_only or bool(self.advertise_host)
+
+    def check_exposure(self) -> None:
+        """Refuse a head whose servers other hosts reach but that has no API auth: the Prefect API would hand the
+        cluster block's credentials to anyone and let anyone create a deployment whose pull step runs commands on
+        the workers; MLflow would be open to anyone too. Runs before anything starts."""
+        if self.server is None and not self.loopback_only and not self.api_auth:
+            raise StackError(
+                f"the Prefect and MLflow servers would listen on {self.host!r}, reachable from other hosts, without "
+                "authentication: anyone who reaches them could read the result store's credentials and run commands "
+                "on the workers. Give both servers a password with `evaldag up --auth USER:PASSWORD` (or "
+                "EVALDAG_API_AUTH) and the same to each node's `evaldag worker --auth`, or listen on 127.0.0.1")
+
+    @property
     def local_host(self) -> str:
         """The address clients on this machine use: `host`, or 127.0.0.1 when the servers listen everywhere."""
         return "127.0.0.1" if self.host in _WILDCARD else self.host
@@ -231,7 +272,8 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
                      ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS"),
                      ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
                      ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
-                     ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME")):
+                     ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME"),
+                     ("api_auth", "EVALDAG_API_AUTH")):
         if env.get(var):
             values[key] = env[var]
     if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
@@ -240,6 +282,16 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
         values["gpus"] = parse_gpu_ids(env["EVALDAG_GPUS"])
         values.setdefault("num_gpus", len(values["gpus"]))
     return values
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address or `localhost` (a wildcard, another address or a name is not)."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _detected_gpus(num_gpus: int) -> tuple[str, ...] | None:

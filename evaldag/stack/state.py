@@ -43,7 +43,7 @@ class StateFile:
     def _save_state(self, state: dict) -> None:
         s = self.settings
         state["urls"] = self._urls()
-        state["settings"] = s.model_dump(mode="json", exclude={"worker_env"})  # it may hold credentials
+        state["settings"] = s.model_dump(mode="json", exclude={"worker_env", "api_auth"})  # credentials
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
