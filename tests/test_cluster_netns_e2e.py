@@ -7,6 +7,7 @@ their own environment has none of them."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -28,6 +29,11 @@ BUCKET = "evaldag-cluster"
 NODES = ("node-a", "node-b")
 EVALDAG = [sys.executable, "-m", "evaldag.cli"]
 _AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+# both servers of a head on a namespace address require it (evaldag up --auth); the nodes join with it
+AUTH = "evaldag:netns-test-password"
+_AUTH_ENV = {"PREFECT_API_AUTH_STRING": AUTH, "MLFLOW_TRACKING_USERNAME": "evaldag",
+             "MLFLOW_TRACKING_PASSWORD": "netns-test-password"}
+_BASIC = {"Authorization": "Basic " + base64.b64encode(AUTH.encode()).decode()}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -66,10 +72,21 @@ def cluster(tmp_path_factory):
         s3 = boto3.client("s3", endpoint_url=s3_url, **{k.lower(): v for k, v in _AWS.items()
                                                          if k != "AWS_DEFAULT_REGION"}, region_name="us-east-1")
         wait(lambda: _try(lambda: s3.create_bucket(Bucket=BUCKET)), timeout=60, every=0.5)
-        _cli(hosts, "head", ["up", "--host", head_ip, "--gpus", "0"], head_env, timeout=600)
+        # a head other hosts reach refuses to start without auth, before starting anything
+        refused = hosts.run("head", [*EVALDAG, "up", "--host", head_ip, "--gpus", "0"],
+                            env={**head_env, "EVALDAG_API_AUTH": ""}, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1 and "--auth USER:PASSWORD" in refused.stderr + refused.stdout, refused
+        assert not (tmp / "head" / "stack" / "state.json").exists()
+        _cli(hosts, "head", ["up", "--host", head_ip, "--gpus", "0", "--auth", AUTH], head_env, timeout=600)
+        # with auth, a client without it gets 401 from both servers (this process reaches the head by the bridge)
+        api, mlflow = f"http://{head_ip}:{prefect_port}/api", f"http://{head_ip}:{mlflow_port}"
+        assert httpx.post(f"{api}/block_documents/filter", json={}, timeout=10).status_code == 401
+        assert httpx.get(f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10).status_code == 401
+        assert httpx.post(f"{api}/block_documents/filter", json={}, headers=_BASIC, timeout=10).status_code == 200
 
         # both nodes join at once, each with a home of its own and nothing but the head's address
-        joins = [hosts.popen(name, [*EVALDAG, "worker", "--server", f"http://{head_ip}:{prefect_port}", "--name",
+        joins = [hosts.popen(name, [*EVALDAG, "worker", "--server", f"http://{head_ip}:{prefect_port}", "--auth", AUTH,
+                                    "--name",
                                     name, "--gpus", "1", "--env", "EVALDAG_TORCH_THREADS=1"],
                              env=_env(EVALDAG_HOME=str(homes[name])), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -124,13 +141,16 @@ def test_evaluation_survives_the_loss_of_a_whole_node(cluster, monkeypatch):
     from evaldag.models import resolve_model
     from evaldag.tracking import experiment_name
 
+    for key, value in _AUTH_ENV.items():   # this process's Prefect and MLflow clients get in with the auth
+        monkeypatch.setenv(key, value)
     hosts, s3 = cluster["hosts"], cluster["s3"]
     for name in NODES:   # the nodes took MLflow, the store and its credentials from the head
         env = json.loads((cluster["homes"][name] / "stack" / "state.json").read_text())["components"][
             f"{name}-gpu-0"]["key"]["env"]
         assert env["EVALDAG_RESULTS_URL"] == f"s3://{BUCKET}/evals" and env["AWS_SECRET_ACCESS_KEY"] == "testing"
         assert env["MLFLOW_TRACKING_URI"] == cluster["mlflow"] and env["PREFECT_API_URL"] == cluster["api"]
-    workers = httpx.post(f"{cluster['api']}/work_pools/gpu/workers/filter", json={}, timeout=10).json()
+    workers = httpx.post(f"{cluster['api']}/work_pools/gpu/workers/filter", json={}, headers=_BASIC,
+                         timeout=10).json()
     assert sorted(w["name"] for w in workers if w["status"] == "ONLINE") == [f"{n}-gpu-0" for n in NODES]
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch 32 -> 4 prompts x n=8
