@@ -17,14 +17,24 @@ database, for every client on every host:
   EVALDAG_TRACK_LEASE_S), or, for a writer that has not beaten yet, once it has stayed silent for the lease by the
   waiting process's own clock. So a run being written is never written into by a second evaluation, and a crashed
   writer's run is finished by the next one. The lease compares clocks of different hosts: keep it well above their
-  skew.
+  skew. A writer keeps beating from a background thread for as long as it writes (`keeping_lease`), so an upload
+  longer than the lease does not lose it the run.
+
+Whether a claimed run still exists is decided only by MLflow's own answer: RESOURCE_DOES_NOT_EXIST. Any other
+failure to read it (a 503, a timeout, a restarting server) is retried with backoff and then raised as
+TrackingUnavailable: read as "deleted", it would start the next claim generation and log a second run of one key.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+log = logging.getLogger("evaldag")
 
 CLAIM_PREFIX = ".evaldag-claim"
 RUN_ID_TAG = "evaldag.run_id"
@@ -32,8 +42,19 @@ WRITER_PARAM = "evaldag.writer."
 HEARTBEAT_TAG = "evaldag.heartbeat"
 
 
+# Reading a claimed run: tries in all, and the wait before the first retry (doubled at each one): 1+2+4+8 s. MLflow's
+# REST client has already retried a 503 or a refused connection with its own backoff when an error gets here.
+ALIVE_TRIES = 5
+ALIVE_BACKOFF_S = 1.0
+
+
 class TrackingBusy(RuntimeError):
     """Another live writer holds the evaluation's MLflow run; retry later (a transient condition)."""
+
+
+class TrackingUnavailable(RuntimeError):
+    """MLflow kept failing to say whether a claimed run exists; retry later. A RuntimeError, not a ValueError, so
+    that the track task retries it (tasks/retry.py)."""
 
 
 def lease_seconds() -> float:
@@ -85,12 +106,28 @@ def claim_run(client, experiment_id: str, key: str, make_candidate: Callable[[],
 
 
 def _alive(client, run_id: str) -> bool:
+    """Whether a claimed run still holds its claim: it exists and is not deleted. False only on MLflow's answer
+    (lifecycle stage "deleted", or RESOURCE_DOES_NOT_EXIST); other errors are retried ALIVE_TRIES times with
+    backoff, then raise TrackingUnavailable."""
     from mlflow.exceptions import MlflowException
 
-    try:
-        return client.get_run(run_id).info.lifecycle_stage != "deleted"
-    except MlflowException:
-        return False
+    delay = ALIVE_BACKOFF_S
+    for attempt in range(1, ALIVE_TRIES + 1):
+        try:
+            return client.get_run(run_id).info.lifecycle_stage != "deleted"
+        except (MlflowException, OSError) as e:   # OSError: requests' connection errors, if one escapes MLflow's
+            if _error_code(e) == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            if attempt == ALIVE_TRIES:
+                raise TrackingUnavailable(
+                    f"MLflow failed {ALIVE_TRIES} times to read run {run_id}, the run claimed for this key, so it "
+                    f"cannot tell whether that run still exists; not claiming another one (that would log a second "
+                    f"run of the key). Last error: {e}") from e
+            log.warning("reading claimed MLflow run %s failed (try %d of %d), retrying in %.0f s: %s",
+                        run_id, attempt, ALIVE_TRIES, delay, e)
+            time.sleep(delay)
+            delay *= 2
+    raise AssertionError("unreachable")
 
 
 def current_writer(run) -> tuple[int, str | None]:
@@ -161,5 +198,32 @@ def still_writer(client, run_id: str, owner: str) -> int | None:
     return generation if holder == owner else None
 
 
-__all__ = ["claim_run", "take_writer", "still_writer", "heartbeat", "lease_expired", "lease_seconds",
-           "TrackingBusy", "HEARTBEAT_TAG", "WRITER_PARAM"]
+@contextmanager
+def keeping_lease(client, run_id: str, owner: str, generation: int, lease_s: float) -> Iterator[None]:
+    """Beat the heartbeat of `owner`'s writer generation every quarter lease from a background thread while the
+    block runs: a single upload (a large samples.parquet over a slow link) may last longer than the lease, and a
+    live writer must not be taken over. The thread stops beating once another writer holds the run (this process
+    stalled past the lease anyway): the block's own still_writer check then gives up. A failed beat is only logged;
+    the next one comes a quarter lease later."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(lease_s / 4):
+            try:
+                if still_writer(client, run_id, owner) != generation:
+                    return
+                heartbeat(client, run_id, generation)
+            except Exception as e:   # noqa: BLE001 - the writer itself sees a lasting failure on its next request
+                log.warning("heartbeat of MLflow run %s failed: %s", run_id, e)
+
+    thread = threading.Thread(target=beat, name=f"evaldag-lease-{run_id[:8]}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)   # a beat still in flight ends by itself; the block's result does not wait on it
+
+
+__all__ = ["claim_run", "take_writer", "still_writer", "heartbeat", "keeping_lease", "lease_expired", "lease_seconds",
+           "TrackingBusy", "TrackingUnavailable", "HEARTBEAT_TAG", "WRITER_PARAM"]

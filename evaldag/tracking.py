@@ -27,8 +27,8 @@ import polars as pl
 from evaldag import faults, store
 from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
-from evaldag.run_claims import (HEARTBEAT_TAG, TrackingBusy, claim_run, current_writer, heartbeat, lease_seconds,
-                                still_writer, take_writer)
+from evaldag.run_claims import (HEARTBEAT_TAG, TrackingBusy, TrackingUnavailable, claim_run, current_writer,
+                                heartbeat, keeping_lease, lease_seconds, still_writer, take_writer)
 from evaldag.series import comparison_key, describe, series_label
 from evaldag.triggers import request_settings_key
 
@@ -241,11 +241,12 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
     current = client.get_run(run_id)
     writing = _Writing(client, run_id, current_writer(current)[0], int(time.time() * 1000), plan.request.step)
-    _log_results(writing, plan, metrics, tags, None if created else current)
-    faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
-    diags = _log_diagnostics(writing, exp_id, plan, metrics)
-    _log_to_parent_run(writing, plan, metrics)
-    _log_artifacts(writing, plan)
+    with keeping_lease(client, run_id, owner, writing.generation, lease_s):
+        _log_results(writing, plan, metrics, tags, None if created else current)
+        faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
+        diags = _log_diagnostics(writing, exp_id, plan, metrics)
+        _log_to_parent_run(writing, plan, metrics)
+        _log_artifacts(writing, plan)
     if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
         raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
     client.set_terminated(run_id, "FINISHED")
@@ -353,6 +354,10 @@ def _log_results(w: _Writing, plan: EvalPlan, metrics: dict, tags: dict[str, str
         tags=[],
     )
     for k, v in tags.items():
+        # A takeover without a flow run of its own (evaldag sync) has no prefect.flow_run_id: the run keeps the one
+        # of the flow run that computed it.
+        if v == "" and existing is not None and existing.data.tags.get(k):
+            continue
         w.client.set_tag(w.run_id, k, v)
     w.heartbeat()
 
@@ -464,5 +469,5 @@ def load_samples(run_id: str) -> pl.DataFrame:
     return pl.read_parquet(local)
 
 
-__all__ = ["track", "TrackedRun", "TrackingBusy", "charts_url", "experiment_name", "find_run", "job_history",
-           "load_samples", "mlflow_key", "HEARTBEAT_TAG"]
+__all__ = ["track", "TrackedRun", "TrackingBusy", "TrackingUnavailable", "charts_url", "experiment_name", "find_run",
+           "job_history", "load_samples", "mlflow_key", "HEARTBEAT_TAG"]

@@ -240,3 +240,129 @@ def test_loading_the_evaluation_flow_does_not_import_mlflow():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+class _FlakyGetRun:
+    """An MlflowClient whose get_run first fails with the given errors (a 503, a timeout: what an overloaded or
+    restarting tracking server answers), then answers again."""
+
+    def __init__(self, client, errors: list[Exception]):
+        self._client = client
+        self.errors = list(errors)
+
+    def get_run(self, run_id: str):
+        if self.errors:
+            raise self.errors.pop(0)
+        return self._client.get_run(run_id)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+def _transient_errors() -> list[Exception]:
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+    return [MlflowException("API request to endpoint /api/2.0/mlflow/runs/get failed with error code 503 != 200. "
+                            "Response body: ''", error_code=TEMPORARILY_UNAVAILABLE),
+            MlflowException("API request to /api/2.0/mlflow/runs/get failed with timeout exception Read timed out.")]
+
+
+def test_a_transient_mlflow_error_makes_no_second_run(mlflow_server, configs, tmp_path, monkeypatch):
+    """A 503 or a timeout while reading the claimed run is not "the run was deleted": a second track of a logged
+    evaluation finds its one run, and the job keeps one parent run (one curve). Only MLflow's own "does not exist"
+    passes a claim on to a new run."""
+    from mlflow import MlflowClient
+
+    from evaldag import run_claims, tracking
+    from evaldag.plan import load_plan
+
+    monkeypatch.setattr(run_claims, "ALIVE_BACKOFF_S", 0.01, raising=False)
+    client = MlflowClient()
+    plan = load_plan(_finished_plan(tmp_path, 80, "flaky-run"))
+    first = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-1")
+    parent = tracking.parent_run(client, "flaky-run")
+
+    monkeypatch.setattr(tracking, "_client", lambda: _FlakyGetRun(client, _transient_errors()))
+    again = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-2")
+    assert (again.run_id, again.created) == (first.run_id, False)
+    assert [r.info.run_id for r in _runs(plan.eval_key)] == [first.run_id]
+    assert tracking.parent_run(_FlakyGetRun(client, _transient_errors()), "flaky-run") == parent
+    jobs = client.get_experiment_by_name(tracking.JOBS_EXPERIMENT)
+    assert len(client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'flaky-run'")) == 1
+
+    # a claim naming a run the server does not have (removed for good): the next generation claims a new run
+    exp_id = tracking._experiment_id(client, tracking.experiment_name("aime24"))
+    client.create_experiment(run_claims.claim_name(exp_id, "ghost-key"), tags={run_claims.RUN_ID_TAG: "0" * 32})
+    run_id, created = run_claims.claim_run(client, exp_id, "ghost-key", lambda: client.create_run(exp_id).info.run_id)
+    assert created and run_id != "0" * 32
+
+
+def test_a_writer_uploading_longer_than_the_lease_keeps_its_run(mlflow_server, configs, tmp_path, monkeypatch):
+    """The writer's heartbeat goes on while it uploads artifacts: a contender that tries to take the run over in
+    the middle of an upload longer than the lease is refused, and the writer finishes its run."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    from evaldag import tracking
+    from evaldag.plan import load_plan
+
+    lease_s = 2.0
+    plan = load_plan(_finished_plan(tmp_path, 90, "upload-run"))
+    real_upload = MlflowClient.log_artifact
+    uploading, tried = threading.Event(), threading.Event()
+    contender: dict = {}
+
+    def slow_upload(self, run_id, local_path, artifact_path=None):
+        if artifact_path == "samples":          # a large parquet over a slow link: longer than the lease
+            contender["run_id"] = run_id
+            uploading.set()
+            assert tried.wait(60)
+        return real_upload(self, run_id, local_path, artifact_path)
+
+    def take_over() -> None:
+        try:
+            assert uploading.wait(120)
+            time.sleep(lease_s * 1.5)           # the beat before the upload is older than the lease by now
+            contender["took"] = tracking.take_writer(MlflowClient(), contender["run_id"], "contender", lease_s)
+        finally:
+            tried.set()
+
+    monkeypatch.setattr(MlflowClient, "log_artifact", slow_upload)
+    thread = threading.Thread(target=take_over, daemon=True)
+    thread.start()
+    run = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="slow-writer", lease_s=lease_s)
+    thread.join(10)
+    assert contender.get("took") is False
+    logged = MlflowClient().get_run(run.run_id)
+    assert run.created and logged.info.status == "FINISHED"
+    assert tracking.current_writer(logged) == (0, "slow-writer")
+
+
+def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, configs, tmp_path, monkeypatch):
+    """`evaldag sync` takes over a run whose writer died half-way and finishes it; the run still names the flow run
+    that computed it (sync has none of its own to put there)."""
+    from mlflow import MlflowClient
+
+    from evaldag import tracking
+    from evaldag.plan import load_plan
+
+    plan = load_plan(_finished_plan(tmp_path, 100, "sync-run"))
+
+    def die(point: str) -> None:
+        if point == "track":
+            raise RuntimeError("the track task's process died half-way")
+
+    monkeypatch.setattr(tracking.faults, "maybe_fail", die)
+    with pytest.raises(RuntimeError, match="half-way"):
+        tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-A")
+    monkeypatch.setattr(tracking.faults, "maybe_fail", lambda point: None)
+    [run] = _runs(plan.eval_key)
+    assert run.info.status == "RUNNING" and run.data.tags["prefect.flow_run_id"] == "flow-run-A"
+    MlflowClient().set_tag(run.info.run_id, tracking.HEARTBEAT_TAG, f"0:{time.time() - 3600}")   # long dead
+
+    [synced] = tracking.sync(tmp_path / "results")
+    [run] = _runs(plan.eval_key)
+    assert synced.run_id == run.info.run_id                     # the dead writer's run, finished: no second one
+    assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"] == "flow-run-A"
