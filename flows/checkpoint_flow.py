@@ -21,9 +21,10 @@ from tasks.start_evaluation import start_evaluation
 
 @flow(name=CHECKPOINT_FLOW, log_prints=True)
 def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # noqa: B006 - a Prefect default
-                  eval_overrides: dict | None = None) -> list[dict]:
+                  eval_overrides: dict | None = None, include_cancelled: bool = False) -> list[dict]:
     """Validate the payload (path under EVALDAG_CHECKPOINT_ROOTS, complete checkpoint, step >= 0) and start the
-    evaluations; returns the started (or already existing) flow runs."""
+    evaluations; returns the started (or already existing) flow runs. A repeated event retries a failed evaluation
+    once (nothing while a retry is live) and leaves one a person cancelled alone unless `include_cancelled`."""
     ckpt = validate_checkpoint_event(event, allowed_roots_from_env(),
                                      marker=os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None)
     benchmarks = requested_benchmarks(ckpt.benchmarks, default_benchmarks)
@@ -35,5 +36,6 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
     if ckpt.mlflow_parent_run_id:   # the trainer made its own MLflow run for the job: log the curves there
         overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id
     # one flow run for all benchmarks: each gpu slot loads the checkpoint once for all of them. A repeated event
-    # after a failed evaluation means "try again"; after a completed one it starts nothing.
-    return [start_evaluation(benchmarks, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True)]
+    # after a failed evaluation means "try again"; after a completed or cancelled one it starts nothing.
+    return [start_evaluation(benchmarks, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True,
+                             include_cancelled=include_cancelled)]

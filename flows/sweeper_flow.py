@@ -31,10 +31,11 @@ def _roots(roots: list[str] | None) -> list[Path]:
 
 @flow(name=SWEEPER_FLOW, log_prints=True)
 def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math500"],  # noqa: B006
-                 eval_overrides: dict | None = None) -> dict:
+                 eval_overrides: dict | None = None, include_cancelled: bool = False) -> dict:
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
-    has no finished MLflow run with these settings (`eval_overrides`) yet; failed earlier evaluations are started
-    again."""
+    has no finished MLflow run with these settings (`eval_overrides`) yet. An evaluation that failed or crashed is
+    started again, once: nothing while a retry of it is still queued or running, and nothing after a run a person
+    cancelled unless `include_cancelled` (evaldag.relaunch)."""
     marker = os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
@@ -47,19 +48,25 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
         done += len(benches) - len(missing)
         if missing:   # one evaluation for the checkpoint's missing benchmarks: one engine load per slot
             started.append(start_evaluation(missing, str(ckpt.resolve()), step, train_run_of(ckpt, root),
-                                            eval_overrides, relaunch_failed=True))
-    get_run_logger().info("%d checkpoints x %d benchmarks: %d already evaluated, %d evaluations started or in progress",
-                          len(found), len(benches), done, len(started))
+                                            eval_overrides, relaunch_failed=True,
+                                            include_cancelled=include_cancelled))
+    cancelled = sum(1 for s in started if s.get("relaunch") == "cancelled")
+    get_run_logger().info("%d checkpoints x %d benchmarks: %d already evaluated, %d evaluations started or in "
+                          "progress, %d left cancelled (include_cancelled=true starts them again)",
+                          len(found), len(benches), done, len(started) - cancelled, cancelled)
     return {"checkpoints": len(found), "already_evaluated": done, "started": started}
 
 
 @flow(name=LATEST_FLOW, log_prints=True)
-def eval_latest(root: str, benchmark: str = "math500", eval_overrides: dict | None = None) -> dict:
-    """Evaluate the newest complete checkpoint under `root` (a run folder such as /ckpts/run-42)."""
+def eval_latest(root: str, benchmark: str = "math500", eval_overrides: dict | None = None,
+                include_cancelled: bool = False) -> dict:
+    """Evaluate the newest complete checkpoint under `root` (a run folder such as /ckpts/run-42); a failed
+    evaluation of it is retried as by the sweeper (`include_cancelled` likewise)."""
     run_root = _roots([root])[0]
     found = discover_checkpoints(run_root, os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None)
     if not found:
         raise ConfigError(f"no complete checkpoint under {run_root}")
     step, ckpt = found[-1]
     return start_evaluation(requested_benchmarks(None, [benchmark])[0], str(ckpt.resolve()), step,
-                            train_run_of(ckpt, run_root), eval_overrides, relaunch_failed=True)
+                            train_run_of(ckpt, run_root), eval_overrides, relaunch_failed=True,
+                            include_cancelled=include_cancelled)

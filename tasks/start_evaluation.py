@@ -2,24 +2,33 @@
 
 from __future__ import annotations
 
-import time
+from typing import Any
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.deployments import run_deployment
 
+from evaldag import relaunch
 from evaldag.deployments import SUITE_DEPLOYMENT, evaluation_deployment
 from evaldag.triggers import evaluation_id
+
+_PAGE = 200
 
 
 @task(name="start-evaluation", retries=3, retry_delay_seconds=[2, 5, 10])
 def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, train_run: str,
-                     overrides: dict | None = None, relaunch_failed: bool = False) -> dict:
+                     overrides: dict | None = None, relaunch_failed: bool = False,
+                     include_cancelled: bool = False) -> dict:
     """run_deployment keyed by the evaluation's identity (evaldag.triggers.evaluation_id: the checkpoint, step,
     benchmarks and every override that changes the result): a duplicate request returns the existing flow run
     instead of starting a second one, a full evaluation after a quick slice starts its own. One benchmark runs as
     eval/<benchmark>; several as one eval/suite run, so every gpu slot loads the checkpoint once for all of them.
-    With `relaunch_failed`, an existing run that failed or crashed is started again under a fresh key (Prefect would
-    otherwise hand back the failed run forever)."""
+
+    With `relaunch_failed`, an evaluation whose first run did not complete is started again under a retry key
+    (Prefect would otherwise hand back the failed run forever), as evaldag.relaunch decides over all its attempts:
+    nothing while one of them is still live (the live one is returned), nothing after a completed one, nothing after
+    a run a person cancelled unless `include_cancelled`, otherwise exactly one retry. The returned dict's `relaunch`
+    says which (None without `relaunch_failed` or when the first run is live or completed)."""
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
     key = evaluation_id(train_run, step, names, checkpoint, overrides)
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
@@ -28,12 +37,40 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
         params["benchmarks"] = names
     run_name = f"{'+'.join(names)}-{train_run}-step{step}"
     fr = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=0, flow_run_name=run_name)
+    action = None
     if relaunch_failed and fr.state and fr.state.is_final() and not fr.state.is_completed():
-        get_run_logger().warning("%s for %s step %d ended %s earlier; starting it again", deployment, train_run, step,
-                                 fr.state.name)
-        fr = run_deployment(deployment, parameters=params, idempotency_key=f"{key}:retry:{int(time.time())}",
-                            timeout=0, flow_run_name=f"{run_name}-retry")
+        attempts = relaunch.attempts_of(_named_runs(fr.deployment_id, [run_name, f"{run_name}-retry"]), key)
+        decision = relaunch.decide(attempts or [fr], include_cancelled)
+        action, fr = decision.action, decision.run
+        if decision.start:
+            get_run_logger().warning("%s for %s step %d: its latest run %s ended %s; starting it again", deployment,
+                                     train_run, step, fr.name, fr.state.name)
+            fr = run_deployment(deployment, parameters=params, idempotency_key=relaunch.retry_key(key, fr),
+                                timeout=0, flow_run_name=f"{run_name}-retry")
+        elif decision.action == "cancelled":
+            get_run_logger().info("%s for %s step %d: %s was cancelled (%s); not starting it again without "
+                                  "include_cancelled", deployment, train_run, step, fr.name,
+                                  fr.state.message or "no message")
     get_run_logger().info("%s (%s) for %s step %d: flow run %s (%s)", deployment, ", ".join(names), train_run, step,
                           fr.name, fr.state.name if fr.state else "Scheduled")
     return {"benchmark": "+".join(names), "benchmarks": names, "flow_run_id": str(fr.id), "flow_run_name": fr.name,
-            "state": fr.state.name if fr.state else "Scheduled"}
+            "state": fr.state.name if fr.state else "Scheduled", "relaunch": action}
+
+
+def _named_runs(deployment_id: UUID | None, names: list[str]) -> list[Any]:
+    """Every flow run of `deployment_id` named one of `names`: the candidates for an evaluation's attempts (the name
+    narrows the search on the server; several evaluations share a name, relaunch.attempts_of tells them apart by
+    key). All pages: before retries were capped one evaluation could have gathered hundreds."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterName
+
+    runs: list[Any] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)),
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])) if deployment_id
+                else None, limit=_PAGE, offset=len(runs))
+            runs.extend(page)
+            if len(page) < _PAGE:
+                return runs

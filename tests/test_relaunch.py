@@ -1,0 +1,202 @@
+"""Relaunching failed evaluations (issue 22, item 5): at most one live retry per evaluation, and a run a person
+cancelled is not started again unless asked.
+
+The decision is a pure function (evaldag.relaunch), tested on bare states; start_evaluation and the sweeper are
+tested against Prefect's in-process test server (prefect_test_harness): the `eval/math500` deployment exists there
+without a work pool, so the runs it gets stay Scheduled (live) until a test sets their state.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from uuid import uuid4
+
+import pytest
+from conftest import complete_checkpoint
+from prefect import flow
+from prefect.states import Cancelled, Cancelling, Completed, Crashed, Failed, Paused, Pending, Running, Scheduled
+
+from evaldag import relaunch
+from evaldag.triggers import evaluation_id
+
+KEY = "evaldag-eval:run:10:math500:abcd:ef01"
+_T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _run(state, key: str = KEY, minute: int = 0):
+    return SimpleNamespace(id=uuid4(), idempotency_key=key, state=state, created=_T0 + timedelta(minutes=minute))
+
+
+# ---- the pure decision -------------------------------------------------------------------------------------------
+
+def test_attempts_are_the_first_run_and_its_retries_oldest_first():
+    first, old_retry, new_retry = _run(Failed(), minute=0), _run(Failed(), f"{KEY}:retry:1700000000", 5), \
+        _run(Failed(), f"{KEY}:retry:{uuid4()}", 9)
+    other = _run(Failed(), KEY + "0")           # another evaluation whose key merely starts with this one
+    other_retry = _run(Failed(), "x" + KEY + ":retry:1")
+    assert relaunch.attempts_of([new_retry, other, first, other_retry, old_retry], KEY) == [first, old_retry,
+                                                                                            new_retry]
+
+
+@pytest.mark.parametrize("live", [Scheduled(), Pending(), Running(), Paused(), Cancelling(),
+                                  Scheduled(name="AwaitingRetry"), Scheduled(name="Late"), None])
+def test_a_live_attempt_blocks_a_new_retry(live):
+    attempts = [_run(Failed(), minute=0), _run(live, f"{KEY}:retry:1", 5), _run(Crashed(), f"{KEY}:retry:2", 9)]
+    decision = relaunch.decide(attempts, include_cancelled=True)
+    assert decision.action == "live" and decision.run is attempts[1] and not decision.start
+
+
+def test_a_failed_or_crashed_latest_attempt_is_retried_under_a_key_derived_from_it():
+    for end in (Failed(), Crashed()):
+        attempts = [_run(Completed(), minute=0), _run(end, f"{KEY}:retry:1", 5)]
+        decision = relaunch.decide(attempts, include_cancelled=False)
+        assert decision.start and decision.run is attempts[1]
+        # two sweeps that decide at once get the same key, so Prefect hands both the same run
+        assert relaunch.retry_key(KEY, decision.run) == f"{KEY}:retry:{attempts[1].id}"
+
+
+def test_a_completed_latest_attempt_is_not_retried():
+    decision = relaunch.decide([_run(Failed(), minute=0), _run(Completed(), f"{KEY}:retry:1", 5)], False)
+    assert decision.action == "completed" and not decision.start
+
+
+@pytest.mark.parametrize("cancel", [Cancelled(), Cancelled(message="Flow run was cancelled."),
+                                    Cancelled(message="cancelled from `evaldag run` (Ctrl-C)"),
+                                    Cancelled(message="The parent flow run was cancelled.")])
+def test_a_persons_cancel_is_kept_unless_asked(cancel):
+    attempts = [_run(Failed(), minute=0), _run(cancel, f"{KEY}:retry:1", 5)]
+    assert relaunch.is_deliberate_cancel(cancel)
+    kept = relaunch.decide(attempts, include_cancelled=False)
+    assert kept.action == "cancelled" and not kept.start
+    assert relaunch.decide(attempts, include_cancelled=True).start
+
+
+def test_prefects_own_cancels_and_crashes_are_not_a_persons():
+    assert not relaunch.is_deliberate_cancel(Cancelled(message="Deployment concurrency limit reached."))
+    assert not relaunch.is_deliberate_cancel(Crashed(message="Flow run was cancelled."))
+    assert not relaunch.is_deliberate_cancel(Failed())
+    assert relaunch.decide([_run(Cancelled(message="Deployment concurrency limit reached."))], False).start
+
+
+def test_an_earlier_cancel_does_not_block_a_later_failure():
+    """Only the latest attempt counts: a person cancelled once, then asked for it again, and that run failed."""
+    attempts = [_run(Cancelled(), minute=0), _run(Failed(), f"{KEY}:retry:1", 5)]
+    assert relaunch.decide(attempts, include_cancelled=False).start
+
+
+# ---- start_evaluation and the sweeper against a real (in-process) Prefect API ---------------------------------------
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    """An ephemeral Prefect server with an `eval/math500` deployment and no work pool: its runs stay Scheduled."""
+    from prefect import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        with get_client(sync_client=True) as client:
+            flow_id = client.create_flow_from_name("eval")
+            deployment_id = client.create_deployment(flow_id=flow_id, name="math500")
+        yield SimpleNamespace(deployment_id=deployment_id)
+
+
+def _client():
+    from prefect import get_client
+
+    return get_client(sync_client=True)
+
+
+def _evaluation_runs(api, train_run: str) -> list:
+    """Every flow run of eval/math500 for `train_run`, oldest first."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with _client() as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[api.deployment_id])))
+    return sorted((r for r in runs if r.parameters.get("train_run") == train_run), key=lambda r: r.created)
+
+
+def _set(run_id, state) -> None:
+    with _client() as client:
+        client.set_flow_run_state(run_id, state, force=True)
+
+
+def _old_style_retry(api, key: str, train_run: str, step: int, checkpoint: str):
+    """A live retry as the sweeper before this fix made it: keyed `<key>:retry:<unix time>`."""
+    with _client() as client:
+        return client.create_flow_run_from_deployment(
+            api.deployment_id, idempotency_key=f"{key}:retry:1700000000", name=f"math500-{train_run}-step{step}-retry",
+            parameters={"checkpoint": checkpoint, "step": step, "train_run": train_run})
+
+
+@flow
+def _start(checkpoint: str, train_run: str, include_cancelled: bool = False) -> dict:
+    from tasks.start_evaluation import start_evaluation
+
+    asked = {"include_cancelled": True} if include_cancelled else {}
+    return start_evaluation("math500", checkpoint, 10, train_run, None, relaunch_failed=True, **asked)
+
+
+def test_start_evaluation_starts_nothing_while_a_retry_is_live(prefect_api, tmp_path):
+    train_run, ckpt = "live-retry", str(complete_checkpoint(tmp_path / "checkpoint-10"))
+    first = _start(ckpt, train_run)
+    _set(first["flow_run_id"], Failed())
+    live = _old_style_retry(prefect_api, evaluation_id(train_run, 10, ["math500"], ckpt), train_run, 10, ckpt)
+    for _ in range(2):   # the next sweep, and a duplicate event
+        again = _start(ckpt, train_run)
+        assert again["flow_run_id"] == str(live.id)
+    assert len(_evaluation_runs(prefect_api, train_run)) == 2
+
+
+def test_start_evaluation_retries_a_failure_once(prefect_api, tmp_path):
+    train_run, ckpt = "one-retry", str(complete_checkpoint(tmp_path / "checkpoint-10"))
+    first = _start(ckpt, train_run)
+    _set(first["flow_run_id"], Crashed())
+    retry = _start(ckpt, train_run)
+    assert retry["flow_run_id"] != first["flow_run_id"] and retry["state"] == "Scheduled"
+    assert _start(ckpt, train_run)["flow_run_id"] == retry["flow_run_id"]
+    assert len(_evaluation_runs(prefect_api, train_run)) == 2
+    _set(retry["flow_run_id"], Failed())   # the retry failed too: one more, and again only one
+    third = _start(ckpt, train_run)
+    assert third["flow_run_id"] not in (first["flow_run_id"], retry["flow_run_id"])
+    assert _start(ckpt, train_run)["flow_run_id"] == third["flow_run_id"]
+    assert len(_evaluation_runs(prefect_api, train_run)) == 3
+
+
+def test_start_evaluation_leaves_a_cancelled_run_alone_unless_asked(prefect_api, tmp_path):
+    train_run, ckpt = "cancelled", str(complete_checkpoint(tmp_path / "checkpoint-10"))
+    first = _start(ckpt, train_run)
+    _set(first["flow_run_id"], Cancelled(message="Flow run was cancelled."))
+    kept = _start(ckpt, train_run)
+    assert kept["flow_run_id"] == first["flow_run_id"] and kept["state"] == "Cancelled"
+    assert len(_evaluation_runs(prefect_api, train_run)) == 1
+    asked = _start(ckpt, train_run, include_cancelled=True)
+    assert asked["flow_run_id"] != first["flow_run_id"]
+    assert _start(ckpt, train_run, include_cancelled=True)["flow_run_id"] == asked["flow_run_id"]
+    assert len(_evaluation_runs(prefect_api, train_run)) == 2
+
+
+def test_hourly_sweeps_do_not_stack_retries_or_revive_a_cancel(prefect_api, monkeypatch):
+    import flows.sweeper_flow as sweeper
+
+    monkeypatch.setattr(sweeper, "evaluated_checkpoints", lambda bench: set())   # MLflow has nothing finished
+    root = Path(os.environ["EVALDAG_CHECKPOINT_ROOTS"]) / "sweep-run"
+    ckpt = complete_checkpoint(root / "checkpoint-10").resolve()
+    sweep = {"roots": [str(root)], "benchmarks": ["math500"]}
+
+    first = sweeper.eval_sweeper(**sweep)["started"][0]
+    _set(first["flow_run_id"], Failed())
+    retry = sweeper.eval_sweeper(**sweep)["started"][0]
+    for _ in range(2):
+        assert sweeper.eval_sweeper(**sweep)["started"][0]["flow_run_id"] == retry["flow_run_id"]
+    assert len(_evaluation_runs(prefect_api, "sweep-run")) == 2
+
+    _set(retry["flow_run_id"], Cancelled(message="Flow run was cancelled."))
+    assert sweeper.eval_sweeper(**sweep)["started"][0]["flow_run_id"] == retry["flow_run_id"]
+    assert len(_evaluation_runs(prefect_api, "sweep-run")) == 2
+    asked = sweeper.eval_sweeper(**sweep, include_cancelled=True)["started"][0]
+    assert asked["flow_run_id"] != retry["flow_run_id"]
+    assert len(_evaluation_runs(prefect_api, "sweep-run")) == 3
+    assert str(ckpt) == _evaluation_runs(prefect_api, "sweep-run")[-1].parameters["checkpoint"]
