@@ -125,6 +125,8 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
             return chunks / f"batch-{b:05d}-of-{len(batches):05d}.parquet"
 
         todo = [(b, [prompts[i] for i in idx]) for b, idx in enumerate(batches) if not chunk(b).is_file()]
+        if todo:
+            check_context(plan, engine, prompts)
         resumed, left = len(batches) - len(todo), len(todo)
         t1, tokens = time.perf_counter(), 0
         todo_ids = {b for b, _ in todo}
@@ -154,6 +156,28 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         "generation_tokens": float(tokens),
         "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
+
+
+def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:
+    """Refuse, before any generation, a shard whose prompt + max_new_tokens overflow the engine's context window
+    (evaldag.engines.context: one behaviour for every engine). The error counts the overflowing prompts of the whole
+    benchmark, not only this shard's, so every shard that fails says the same thing. An engine that cannot measure
+    (a stand-in, a server without a tokenizer endpoint) is not checked."""
+    from evaldag.engines.context import check_fits, overflow_error
+
+    measure = getattr(engine, "prompt_fit", None)
+    fit = measure(prompts) if measure is not None else None
+    if fit is None:
+        log.info("%s: the %s engine cannot measure the context window; prompt + max_new_tokens unchecked",
+                 plan.benchmark.name, plan.resolved_model.engine)
+        return
+    cap = plan.sampling.max_new_tokens
+    if not fit.overflowing(cap):
+        return
+    everything = measure(read_table(plan.path("inputs.parquet"), INPUT_SCHEMA)["prompt"].to_list())
+    check_fits(plan.benchmark.name, plan.resolved_model.engine, everything, cap)
+    # reached only where the whole benchmark could not be measured (a server that stopped answering /tokenize)
+    raise overflow_error(f"{plan.benchmark.name} (this shard)", plan.resolved_model.engine, fit, cap)
 
 
 def workload(plan: EvalPlan, shard: int):

@@ -241,3 +241,57 @@ def test_kl_needs_another_engine(scripted):
     with pytest.raises(ConfigError, match="engine=hf"):
         eng.vocabulary_fingerprint()
     eng.close()
+
+
+def _served_plan(tmp_path, monkeypatch, url: str, max_new_tokens: int):
+    """A plan of 2 AIME24 problems on the scripted server's model `served-a`."""
+    import shutil
+
+    from evaldag import paths
+    from evaldag.plan import EvalRequest, resolve
+
+    configs = tmp_path / "configs"
+    shutil.copytree(paths.REPO_ROOT / "configs", configs, dirs_exist_ok=True)
+    (configs / "models" / "served.yaml").write_text(
+        "name: served\nsource: server\nengine: openai\nbatch_size: 4\n"
+        f"engine_args: {{base_url: '{url}', model: served-a, max_retries: 0}}\n")
+    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(configs))
+    return resolve(EvalRequest(benchmark="aime24", checkpoint="served", limit=2, num_shards=1,
+                               sampling={"max_new_tokens": max_new_tokens}), tmp_path / "results")
+
+
+def test_a_shard_past_the_servers_window_is_refused_before_any_completion_request(scripted, tmp_path, monkeypatch):
+    """A vLLM server reports its window in /models and counts a chat prompt's tokens at /tokenize: a shard whose
+    prompt + max_new_tokens do not fit fails before its first chat request, with the local engines' message (the
+    server would otherwise cut the completion where its context ends, or refuse it, mid-shard)."""
+    from evaldag.stages import generate_shard
+
+    models = (200, {"data": [{"id": "served-a", "owned_by": "vllm", "max_model_len": 1024}]})
+    srv = scripted({"/v1/models": [models], "/tokenize": [(200, {"count": 1000, "max_model_len": 1024,
+                                                                 "tokens": []})],
+                    "/v1/chat/completions": [_chat("length", 1000, 24)]})
+    plan = _served_plan(tmp_path, monkeypatch, srv.url, 64)
+    with pytest.raises(ConfigError) as err:
+        generate_shard(plan, 0)
+    text = str(err.value)
+    assert text.startswith("aime24: 2 of 2 prompts do not fit the context window with max_new_tokens 64 (engine "
+                           "openai, window 1024 tokens: the server's max_model_len)"), text
+    assert "1000 + 64 = 1064 > 1024" in text and "at most 24" in text and "--max-model-len" in text
+    assert not any(path == "/v1/chat/completions" for _, path, _, _ in srv.seen)
+    # the server tokenized each prompt as the chat request would send it
+    asked = [body for _, path, body, _ in srv.seen if path == "/tokenize"]
+    assert asked and all(b["model"] == "served-a" and b["add_generation_prompt"] is True
+                         and b["messages"][0]["role"] == "user" for b in asked)
+
+
+def test_a_server_that_cannot_count_tokens_is_not_checked_ahead(scripted):
+    """No window in /models, or no /tokenize (not vLLM, an old vLLM): prompt_fit cannot tell, the shard is not
+    refused ahead, and the per-request check stays the net."""
+    srv = scripted({"/v1/models": [MODELS]})                    # sglang: no max_model_len
+    eng = _engine(srv.url)
+    assert eng.prompt_fit(["x"]) is None and not any(p == "/tokenize" for _, p, _, _ in srv.seen)
+    eng.close()
+    srv = scripted({"/v1/models": [(200, {"data": [{"id": "served-a", "owned_by": "vllm", "max_model_len": 64}]})]})
+    eng = _engine(srv.url)                                      # /tokenize answers 404
+    assert eng.prompt_fit(["x", "y"]) is None
+    eng.close()

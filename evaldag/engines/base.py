@@ -28,7 +28,11 @@ Progress = Callable[[int, int, int, float], None]
 
 
 class Engine(Protocol):
-    """What every engine offers; `generate` returns, per prompt, `sampling.n` completions in input order."""
+    """What every engine offers; `generate` returns, per prompt, `sampling.n` completions in input order.
+
+    The real engines also offer `prompt_fit(prompts) -> PromptFit | None`: their context window and each prompt's
+    length in tokens, with which evaldag.stages refuses a shard whose prompt + max_new_tokens do not fit before any
+    generation (evaldag.engines.context). It stays out of the protocol so that a stand-in engine needs no window."""
 
     def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
         """The deterministic batches `generate` would use (indexes into `prompts`)."""

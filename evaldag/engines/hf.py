@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from evaldag.config import SamplingConfig
 from evaldag.engines.base import (Completion, Progress, batches_by_length, batches_one_by_one, chat_text,
                                   generate_in_batches)
+from evaldag.engines.context import PromptFit, config_window
 
 
 def _keep_freed_memory() -> None:
@@ -93,6 +94,17 @@ class HFEngine:
         # The chat template already holds the special tokens; adding them again would double the BOS.
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         return batches_by_length(lengths, self.batch_size, sampling.n)
+
+    def prompt_fit(self, prompts: list[str]) -> PromptFit | None:
+        """The model's window (max_position_embeddings: transformers does not stop there, but positions past it
+        were never trained) and each chat-formatted prompt's length; None when the config states no window."""
+        window = config_window(self.model.config)
+        if window is None:
+            return None
+        texts = [self._format(p) for p in prompts]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        return PromptFit(window=window, source="max_position_embeddings in the model's config.json",
+                         prompt_tokens=lengths)
 
     def generate_batch(self, prompts: list[str], sampling: SamplingConfig,
                        batch_index: int) -> list[list[Completion]]:

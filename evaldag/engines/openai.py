@@ -29,6 +29,12 @@ Choices, and why:
   (honouring Retry-After), up to `max_retries`; then `ServerUnavailableError` (a ConnectionError, so Prefect's
   task retry may try the shard again, which resumes from its last batch). A wrong model name, an API key refused,
   a context overflow or any other 4xx is permanent: an EvalDagError naming the problem and the fix.
+- **Context window.** Before a shard generates, `prompt_fit` measures its prompts on a vLLM server: the window is
+  the max_model_len that /models reports, and each prompt's length comes from the server's own `POST /tokenize`
+  (the server root, beside /v1) with the same chat message, so it counts exactly what the chat request would.
+  evaldag.stages refuses a shard whose prompt + max_new_tokens exceed the window before any request is sent, as it
+  does for the local engines (evaldag.engines.context). Other servers report no window or offer no tokenizer
+  endpoint: that check is skipped, and only the per-request check below catches an overflow, mid-shard.
 - **latency_s** of a Completion is its own request's wall time (from first send to answer, retries included), the
   latency a client of the server saw.
 
@@ -51,6 +57,7 @@ import httpx
 
 from evaldag.config import SamplingConfig
 from evaldag.engines.base import Completion, Progress, batches_by_length, batches_one_by_one, generate_in_batches
+from evaldag.engines.context import PromptFit
 from evaldag.engines.vllm import sample_seed
 from evaldag.errors import ConfigError, EvalDagError
 
@@ -298,6 +305,30 @@ class OpenAIEngine:
         self.is_vllm = self.entry.get("owned_by") == "vllm"
         self._pool = ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="evaldag-openai")
         self._closed = threading.Event()
+
+    def prompt_fit(self, prompts: list[str]) -> PromptFit | None:
+        """The server's window and each prompt's length as the server tokenizes the chat request (see the module
+        docstring); None where the server cannot tell: not vLLM, no max_model_len in /models, or no /tokenize."""
+        if not (self.is_vllm and isinstance(self.max_model_len, int) and self.max_model_len > 0):
+            return None
+        if not prompts:
+            return PromptFit(window=self.max_model_len, source="the server's max_model_len", prompt_tokens=[])
+        # /tokenize lives at the server root, not under the OpenAI API root (base_url, normally .../v1)
+        url = self.settings.base_url.removesuffix("/v1") + "/tokenize"
+        counts = list(self._pool.map(lambda p: self._prompt_tokens(url, p), prompts))
+        if any(c is None for c in counts):
+            return None
+        return PromptFit(window=self.max_model_len, source="the server's max_model_len", prompt_tokens=counts)
+
+    def _prompt_tokens(self, url: str, prompt: str) -> int | None:
+        """The chat-formatted length of `prompt` from the server's /tokenize; None when it answers no count."""
+        resp = self.client.send("POST", url, {"model": self.settings.model, "add_generation_prompt": True,
+                                              "messages": [{"role": "user", "content": prompt}]})
+        self.client.raise_for_auth(resp)
+        try:
+            return int(resp.json()["count"]) if resp.status_code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
         """Deterministic batches (indexes into `prompts`), by prompt length in characters, batch_size sequences

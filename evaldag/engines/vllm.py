@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from evaldag.config import SamplingConfig
 from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
+from evaldag.engines.context import PromptFit
 from evaldag.engines.workload import Workload
 from evaldag.errors import ConfigError, MissingDependencyError
 
@@ -110,7 +111,8 @@ _CONTEXT_STEP = 256     # fitted windows are rounded up to this: a little slack 
 def fitted_max_model_len(context_tokens: int, window: int | None) -> int | None:
     """The max_model_len for requests of up to `context_tokens` tokens on a model whose window is `window`: rounded
     up to _CONTEXT_STEP, and None (vLLM's default: the whole window) when that would not be smaller than the window
-    or the window is unknown (requests near the window are then cut at it, as without sizing)."""
+    or the window is unknown (requests that do not fit the whole window are refused before generation,
+    evaldag.engines.context)."""
     if context_tokens < 1:
         raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
     fit = -(-context_tokens // _CONTEXT_STEP) * _CONTEXT_STEP
@@ -196,6 +198,7 @@ class VLLMEngine:
         if self.on_cpu:
             args = {**_cpu_setup(), **args}
         explicit_kv = "kv_cache_space_gb" in args
+        self._window_set = "max_model_len" in args        # the user's window, named in an overflow error
         shape = (model_shape(model_path, dtype, args.get("trust_remote_code", False)) if workload is not None
                  else ModelShape(None, None))
         args = fit_to_workload(args, workload, shape, self.on_cpu)
@@ -236,6 +239,14 @@ class VLLMEngine:
         (the transformers engine's rule, so both engines cut a shard the same way)."""
         lengths = [len(ids) for ids in self._prompt_ids(prompts)] if prompts else []
         return batches_by_length(lengths, self.batch_size, sampling.n)
+
+    def prompt_fit(self, prompts: list[str]) -> PromptFit:
+        """The loaded window (vLLM's own max_model_len: engine_args', else the model config's as vLLM derives it,
+        rope scaling included) and each prompt's length in the ids this engine sends (evaldag.engines.context)."""
+        source = ("engine_args.max_model_len" if self._window_set
+                  else "the model's window, vLLM's max_model_len from its config.json")
+        return PromptFit(window=int(self.llm.llm_engine.model_config.max_model_len), source=source,
+                         prompt_tokens=[len(ids) for ids in self._prompt_ids(prompts)] if prompts else [])
 
     # -- generation -------------------------------------------------------------------------------------------
     def _sampling_params(self, sampling: SamplingConfig, seed: int):
