@@ -111,7 +111,8 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
 
     Raises CheckpointError naming the problem: not a mapping, missing or mistyped fields, a relative path or one
     with `..` components, a folder that (after resolving symlinks) is not under one of `allowed_roots`, a missing
-    or incomplete folder (evaldag.rules.check_checkpoint), or, when `marker` is given, a folder without that
+    or incomplete folder (evaldag.rules.check_checkpoint), a folder whose name holds another step than the event's
+    (`checkpoint-1200` sent with step 1100; parse_step), or, when `marker` is given, a folder without that
     marker file (the trainer writes it last, once the checkpoint is complete). The returned path is the resolved
     one, so the evaluation reads exactly the folder that was checked.
     """
@@ -148,6 +149,14 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
                               f"({', '.join(str(r) for r in roots)}); add its root to {ROOTS_ENV}")
     if not real.exists():
         raise CheckpointError(f"{where}: checkpoint folder {raw} does not exist")
+    # the folder name is what the sweeper reads the step from: an event that says otherwise (checkpoint-1200 sent
+    # as step 1100) would file one checkpoint's results under two steps, or another's under this one
+    for name in dict.fromkeys((PurePath(raw).name, real.name)):
+        named = parse_step(name)
+        if named is not None and named != event.step:
+            raise CheckpointError(f"{where}: the folder name {name!r} says step {named}, the event says step "
+                                  f"{event.step}; send the step the checkpoint was saved at (or a folder named "
+                                  "after it)")
     if marker is not None and not (real / marker).is_file():
         raise CheckpointError(f"{where}: {raw} has no {marker} marker; the trainer writes it once the checkpoint "
                               "is complete, so it is still being written (or the trainer does not write markers)")

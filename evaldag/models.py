@@ -136,19 +136,28 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
         folder = prepare_alias(alias)
         validate_checkpoint(folder)
         return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder),
-                             dtype=alias.dtype or default_dtype(),
-                             engine=alias.engine or default_engine(), batch_size=alias.batch_size,
-                             engine_args=dict(alias.engine_args))
+                             **run_settings(alias))
     folder = Path(checkpoint).expanduser()
     if not looks_like_path and not folder.exists():
         raise CheckpointError(f"checkpoint {checkpoint!r} is neither a model alias "
                               f"({', '.join(cfgmod.available('models'))}) nor an existing folder")
     folder = folder.resolve()
     validate_checkpoint(folder)
-    defaults = cfgmod.ModelConfig(name=folder.name, source="path", path=str(folder))
     return ResolvedModel(name=folder.name, path=str(folder), fingerprint=fingerprint(folder),
-                         dtype=defaults.dtype or default_dtype(), engine=defaults.engine or default_engine(),
-                         batch_size=defaults.batch_size)
+                         **run_settings(folder_config(folder)))
+
+
+def folder_config(folder: Path) -> cfgmod.ModelConfig:
+    """The model config of a plain checkpoint folder (no alias): every setting at its default."""
+    return cfgmod.ModelConfig(name=folder.name, source="path", path=str(folder))
+
+
+def run_settings(config: cfgmod.ModelConfig) -> dict:
+    """How a model config runs, with the deployment's defaults filled in (EVALDAG_DEFAULT_DTYPE or the host's
+    dtype, EVALDAG_DEFAULT_ENGINE): dtype, engine, batch_size, engine_args. resolve_model and the trigger keys
+    (evaldag.triggers) both take them from here, so both see the same resolved dtype."""
+    return {"dtype": config.dtype or default_dtype(), "engine": config.engine or default_engine(),
+            "batch_size": config.batch_size, "engine_args": dict(config.engine_args)}
 
 
 def _resolve_served(alias: cfgmod.ModelConfig) -> ResolvedModel:
@@ -158,9 +167,33 @@ def _resolve_served(alias: cfgmod.ModelConfig) -> ResolvedModel:
     from evaldag.engines.openai import describe_server
 
     label, fp = describe_server(alias.engine_args, alias.revision)
-    return ResolvedModel(name=alias.name, path=label, fingerprint=fp, dtype=alias.dtype or default_dtype(),
-                         engine=alias.engine,
-                         batch_size=alias.batch_size, engine_args=dict(alias.engine_args))
+    return ResolvedModel(name=alias.name, path=label, fingerprint=fp, **run_settings(alias))
+
+
+def check_unchanged(model: ResolvedModel, role: str = "checkpoint") -> None:
+    """Raise CheckpointError unless `model`'s folder still holds what was fingerprinted when the evaluation was
+    planned. Results are stored under that fingerprint, so weights removed or rewritten in place since then (a
+    trainer that keeps `latest/` or overwrites a step) must stop the shard instead of being generated under the old
+    identity. Cheap when nothing changed: the file-hash cache answers from stat() (evaldag.fingerprint). A served
+    model has no folder here and is not checked. `role` names the model in the message ("reference model")."""
+    if model.engine == "openai":
+        return
+    folder = Path(model.path)
+    gone = (f"{role} folder {folder} is gone: it was removed after this evaluation was planned. Nothing can load "
+            "it, so this is not retried; restore the folder, or evaluate the checkpoint where it lives now")
+    if not folder.is_dir():
+        raise CheckpointError(gone)
+    try:
+        now = fingerprint(folder)
+    except FileNotFoundError:      # a file vanished between listing and hashing: the folder is being removed
+        raise CheckpointError(gone) from None
+    if now != model.fingerprint:
+        raise CheckpointError(
+            f"{role} {folder} changed after this evaluation was planned (fingerprint {model.fingerprint[:12]} then, "
+            f"{now[:12]} now): its weights or generation files were rewritten in place. Its results would be stored "
+            "under the old fingerprint, so this is not retried; evaluate it again (a new event or the sweeper plans "
+            "the new contents under their own fingerprint), and have the trainer write each checkpoint to a folder "
+            "of its own, complete before it notifies")
 
 
 def with_engine(model: ResolvedModel, engine: str | None) -> ResolvedModel:
@@ -180,4 +213,5 @@ def with_engine(model: ResolvedModel, engine: str | None) -> ResolvedModel:
     return replace(model, engine=engine)
 
 
-__all__ = ["ResolvedModel", "resolve_model", "with_engine", "validate_checkpoint", "fingerprint", "prepare_alias"]
+__all__ = ["ResolvedModel", "check_unchanged", "folder_config", "fingerprint", "prepare_alias", "resolve_model",
+           "run_settings", "validate_checkpoint", "with_engine"]

@@ -24,6 +24,7 @@ from evaldag.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.gpus import shard_gpus
 from evaldag.grading import GRADER_VERSION
+from evaldag.keys import result_engine_args
 from evaldag.models import ResolvedModel, resolve_model, with_engine
 from evaldag.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
 from evaldag.schema import INPUT_SCHEMA, read_table, write_table
@@ -207,7 +208,8 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         "dataset_hash": data.dataset_hash,
         "sample_ids": data.inputs["sample_id"].to_list(),
         "model_fingerprint": model.fingerprint,
-        "engine": [model.engine, model.dtype, model.batch_size, model.engine_args],
+        # engine_args that only size memory or scheduling are left out (evaldag.keys.NOT_RESULT_SETTINGS)
+        "engine": [model.engine, model.dtype, model.batch_size, result_engine_args(model.engine_args)],
         "sampling": sampling.model_dump(),
         "shards": shards,   # batch composition changes greedy outputs slightly, so it is part of the identity
     })

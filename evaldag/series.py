@@ -1,10 +1,11 @@
 """Which evaluations of a training job measure the same thing, so that comparing them across checkpoints is fair.
 
 Two evaluations are comparable when everything that defines the measured quantity is the same: the benchmark's data
-and slice, prompt, gold format and grader, reward definition, and the sampling distribution (n, temperature, top_p,
-token cap). What only moves the noise (the seed) or the execution (engine, batch size, shards, where results go) does
-not separate them. The job-history diagnostics and the parent run's curves use one series per comparison key, so
-a greedy slice is never set next to an n=8 full run.
+and slice, prompt, gold format and grader, reward definition, the sampling distribution (n, temperature, top_p,
+token cap), and the numeric format the model ran in (dtype, quantization). What only moves the noise (the seed) or
+the execution (engine, batch size, shards, where results go) does not separate them. The job-history diagnostics
+and the parent run's curves use one series per comparison key, so a greedy slice is never set next to an n=8 full
+run, nor a bfloat16 run next to a float32 one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def comparison_settings(plan: EvalPlan) -> dict:
         "instruction": bench.instruction, "gold_format": bench.gold_format, "strip_thinking": bench.strip_thinking,
         "grader": plan.grader_version, "rewards": [r.model_dump() for r in bench.rewards],
         "sampling": {k: getattr(plan.sampling, k) for k in _SAMPLING},
+        # the numeric format of the weights: a bfloat16 or fp8 model is not the float32 model measured again
+        "dtype": plan.model.dtype, "quantization": plan.model.engine_args.get("quantization"),
     }
 
 

@@ -109,15 +109,19 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
     deterministic the resumed output equals an uninterrupted one. The engine gets every missing batch at once
     (Engine.generate_batches), so a continuously batching engine never drains between batches."""
     from evaldag.engines import engine_for
+    from evaldag.models import check_unchanged
 
     inputs = plan.shard_inputs(shard)
     prompts = inputs["prompt"].to_list()
     records = inputs.to_dicts()
     chunks = out.with_name(out.stem + ".chunks")
     t0 = time.perf_counter()
+    check_unchanged(plan.resolved_model)          # before the tokenizer and the engine read the folder
     with engine_for(plan.resolved_model, workload(plan, shard)) as got:
         engine = got.engine
         load_s = time.perf_counter() - t0
+        if got.loaded:      # and after: weights rewritten while the engine read them are caught here
+            check_unchanged(plan.resolved_model)
         batches = engine.plan_batches(prompts, plan.sampling)
         sampling = plan.shard_sampling(shard)      # a random stream of its own per shard
 
@@ -227,7 +231,10 @@ def _score(plan: EvalPlan, shard: int, out: UPath) -> UPath:
 
     from evaldag.engines import EXACT_KL_ENGINES, load_engine
     from evaldag.errors import ConfigError
+    from evaldag.models import check_unchanged
 
+    check_unchanged(plan.resolved_model)
+    check_unchanged(plan.resolved_reference, "reference model")
     gens = read_table(plan.generations_path(shard), GENERATION_SCHEMA)
     prompts, ids = gens["prompt"].to_list(), gens["completion_ids"].to_list()
     t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from evaldag.plan import EvalPlan
 from evaldag.run_claims import (HEARTBEAT_TAG, TrackingBusy, TrackingUnavailable, claim_run, current_writer,
                                 heartbeat, keeping_lease, lease_seconds, still_writer, take_writer)
 from evaldag.series import comparison_key, describe, series_label
-from evaldag.triggers import request_settings_key
+from evaldag.triggers import plan_settings_key
 
 log = logging.getLogger("evaldag")
 
@@ -40,6 +40,7 @@ EXPERIMENT_PREFIX = "evaldag"
 # child runs link to it with the tag evaldag.parent_run_id instead.)
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
 COMPARISON_TAG = "evaldag.comparison_key"
+SETTINGS_TAG = "evaldag.settings_key"
 # MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
 # charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -150,7 +151,7 @@ def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
     runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
                               max_results=50000)
     return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")),
-             r.data.tags.get("evaldag.settings_key", "")) for r in runs}
+             r.data.tags.get(SETTINGS_TAG, "")) for r in runs}
 
 
 def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
@@ -237,6 +238,10 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     if finished:
         if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
             _set_tag_best_effort(client, run_id, "prefect.last_flow_run_id", flow_run_id)
+        # the settings key as this evaldag computes it: a run tagged by an older definition would otherwise look
+        # unevaluated to the sweeper at every sweep
+        if client.get_run(run_id).data.tags.get(SETTINGS_TAG) != tags[SETTINGS_TAG]:
+            _set_tag_best_effort(client, run_id, SETTINGS_TAG, tags[SETTINGS_TAG])
         _flag_differing_results(client, run_id, metrics, flow_run_id or owner)
         return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
     current = client.get_run(run_id)
@@ -290,7 +295,7 @@ def _run_tags(plan: EvalPlan, flow_run_id: str | None) -> dict[str, str]:
         "dataset_hash": plan.dataset_hash,
         "prefect.flow_run_id": flow_run_id or "",
         "kind": "ckpt_eval",
-        "evaldag.settings_key": request_settings_key(plan.request, plan.benchmark.sampling),   # the sweeper's "evaluated with these settings"
+        SETTINGS_TAG: plan_settings_key(plan),                        # the sweeper's "evaluated with these settings"
         COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
     }
 

@@ -6,13 +6,14 @@ Pure functions: the Prefect flows in flows/checkpoint_flow.py and flows/sweeper_
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from evaldag.config import available
 from evaldag.errors import ConfigError
+from evaldag.keys import NOT_RESULT_SETTINGS, settings_digest
 
 
 def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str]) -> list[str]:
@@ -32,20 +33,24 @@ def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str])
 # - IDENTITY: which checkpoint on which benchmark, and where it belongs (part of every key below);
 # - OUTPUT_SETTINGS: settings that change the result: a slice (limit), sampling, pass@k's ks, the KL reference,
 #   the engine, and the shard count (batch composition moves greedy outputs);
-# - NOT_OUTPUT: where the result is logged and how the shards are dispatched; never part of a key.
+# - NOT_OUTPUT: where the result is logged and how the shards are dispatched; never part of a key. They are the
+#   `request.*` entries of evaldag.keys.NOT_RESULT_SETTINGS, the one list of settings that do not change results.
+# The keys themselves are taken from the resolved settings (the request, the benchmark config, the model's dtype,
+# engine, batch size, engine_args and fingerprint) minus that list, not from this classification.
 IDENTITY = ("benchmark", "checkpoint", "step", "train_run")
 OUTPUT_SETTINGS = ("limit", "num_shards", "sampling", "pass_k", "reference", "engine")
-NOT_OUTPUT = ("mlflow_parent_run_id", "dispatch")
+NOT_OUTPUT = tuple(k.split(".", 1)[1] for k in NOT_RESULT_SETTINGS if k.startswith("request."))
 
 
 def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
                     default_sampling: Any = None) -> dict[str, Any]:
-    """The settings among `overrides` that change an evaluation's result, in one canonical form: unset (None) ones
-    dropped, sampling completed with the benchmark's defaults (`default_sampling`, else the benchmark config's now;
-    so `{"temperature": 0}` on a greedy benchmark is the same request as no override), pass_k sorted and
-    deduplicated. Overrides the config rejects are kept as given: the evaluation flow reports them, a key must not
-    fail first."""
-    out = {k: overrides[k] for k in OUTPUT_SETTINGS if overrides and overrides.get(k) is not None}
+    """The request's settings among `overrides` (everything but its IDENTITY), in one canonical form: unset (None)
+    ones dropped, sampling completed with the benchmark's defaults (`default_sampling`, else the benchmark config's
+    now; so `{"temperature": 0}` on a greedy benchmark is the same request as no override), pass_k sorted and
+    deduplicated. `engine` is left out: the model's resolved engine (`model_settings`) stands for it, so naming the
+    default engine is the same request as naming none. Overrides the config rejects are kept as given: the
+    evaluation flow reports them, a key must not fail first."""
+    out = {k: v for k, v in (overrides or {}).items() if v is not None and k not in IDENTITY and k != "engine"}
     if isinstance(out.get("pass_k"), list):
         try:
             out["pass_k"] = sorted(set(out["pass_k"]))
@@ -61,27 +66,91 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
     return out
 
 
-def settings_key(benchmark: str, overrides: Mapping[str, Any] | None, default_sampling: Any = None) -> str:
-    """16 hex digits identifying the output settings of a request (see `output_settings`)."""
-    blob = json.dumps(output_settings(benchmark, overrides, default_sampling), sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def model_settings(checkpoint: str | Path, engine: str | None = None) -> dict[str, Any]:
+    """What the evaluation flow will resolve `checkpoint` (a folder or a model alias) to run with, without
+    loading or exporting anything: dtype (EVALDAG_DEFAULT_DTYPE or the host's default when the config names none),
+    engine (`engine` override, the config's, EVALDAG_DEFAULT_ENGINE), batch_size, engine_args, and the fingerprint
+    of the folder's contents (evaldag.fingerprint: cached by file identity, so a few stat() calls for a checkpoint
+    seen before). The fingerprint is None where no folder is there to hash (a hub or packaged alias, a server, a
+    folder that is gone: the flow names that problem). Never raises: a key must not fail before the flow can say
+    what is wrong."""
+    from evaldag import config as cfgmod
+    from evaldag.models import folder_config, run_settings
+
+    name = str(checkpoint).strip()
+    folder: Path | None = None
+    try:
+        is_path = os.sep in name or name.startswith((".", "~"))
+        if not is_path and name in cfgmod.available("models"):
+            cfg = cfgmod.load_model(name)
+            folder = Path(cfg.path).expanduser().resolve() if cfg.source == "path" else None
+        else:
+            folder = Path(name).expanduser().resolve()
+            cfg = folder_config(folder)
+        out: dict[str, Any] = run_settings(cfg)
+    except Exception:  # a malformed alias config, a bad EVALDAG_DEFAULT_* value: the flow reports it
+        out = {"unresolved": name}
+    if engine:
+        out["engine"] = engine
+    out["fingerprint"] = None
+    if folder is not None and folder.is_dir():
+        try:
+            from evaldag.fingerprint import fingerprint
+
+            out["fingerprint"] = fingerprint(folder)
+        except OSError:
+            pass
+    return out
 
 
-def request_settings_key(request: Any, default_sampling: Any = None) -> str:
-    """`settings_key` of an EvalRequest (what track() tags the MLflow run with, for the sweeper to find), with the
-    benchmark's sampling defaults as resolved (`default_sampling`, the plan's benchmark config)."""
-    return settings_key(request.benchmark, {k: getattr(request, k) for k in OUTPUT_SETTINGS}, default_sampling)
+def _benchmark_settings(benchmark: str) -> dict[str, Any]:
+    """The benchmark config as it is now (instruction, dataset revision, gold format, grading timeout, ...), or
+    just its name when it cannot be loaded (the flow names the problem)."""
+    from evaldag.config import load_benchmark
+
+    try:
+        return load_benchmark(benchmark).model_dump(mode="json")
+    except Exception:
+        return {"name": benchmark}
+
+
+def _key(request: dict[str, Any], benchmark: dict[str, Any], model: dict[str, Any]) -> str:
+    return settings_digest({"request": request, "benchmark": benchmark, "model": model})
+
+
+def settings_key(benchmark: str, checkpoint: str | Path, overrides: Mapping[str, Any] | None = None,
+                 model: Mapping[str, Any] | None = None) -> str:
+    """16 hex digits identifying everything but the identity that decides the result of evaluating `checkpoint`
+    on `benchmark` with `overrides`: the request's settings (`output_settings`), the benchmark config, and the
+    model's resolved settings and fingerprint (`model_settings`, or `model` when the caller has them), minus
+    evaldag.keys.NOT_RESULT_SETTINGS."""
+    if model is None:
+        model = model_settings(checkpoint, (overrides or {}).get("engine"))
+    return _key(output_settings(benchmark, overrides), _benchmark_settings(benchmark), dict(model))
+
+
+def plan_settings_key(plan: Any) -> str:
+    """`settings_key` of a resolved evaluation (an EvalPlan), from what it was resolved with: track() tags its MLflow
+    run with it, and the sweeper, which computes `settings_key` from its own settings and the folder, finds it."""
+    request = plan.request.model_dump(exclude=set(IDENTITY))
+    m = plan.model
+    model = {"dtype": m.dtype, "engine": m.engine, "batch_size": m.batch_size, "engine_args": dict(m.engine_args),
+             "fingerprint": m.fingerprint}
+    return _key(output_settings(plan.benchmark.name, request, plan.benchmark.sampling),
+                plan.benchmark.model_dump(mode="json"), model)
 
 
 def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], checkpoint: str | Path,
                   overrides: Mapping[str, Any] | None = None) -> str:
-    """Identity of "this checkpoint on this benchmark (or these benchmarks, evaluated together) with these
-    settings": the idempotency key of its evaluation flow run. The same event delivered twice (or by the trainer and
-    the sweeper) starts one run; a request whose settings change the result (a full run after a quick `limit` slice,
-    other sampling, a reference...) is another evaluation and starts its own."""
+    """Identity of "this checkpoint, with these contents, on this benchmark (or these benchmarks, evaluated
+    together) with these settings": the idempotency key of its evaluation flow run. The same event delivered twice
+    (or by the trainer and the sweeper) starts one run; a request whose settings change the result (a full run
+    after a quick `limit` slice, other sampling, another dtype, an edited benchmark config...) is another
+    evaluation and starts its own, and so is a checkpoint rewritten in place (its fingerprint is in the key)."""
     names = [benchmark] if isinstance(benchmark, str) else list(benchmark)
     digest = hashlib.sha256(str(checkpoint).encode()).hexdigest()[:16]
-    settings = "+".join(settings_key(name, overrides) for name in names)
+    model = model_settings(checkpoint, (overrides or {}).get("engine"))
+    settings = "+".join(settings_key(name, checkpoint, overrides, model) for name in names)
     if len(names) > 1:
         settings = hashlib.sha256(settings.encode()).hexdigest()[:16]
     return f"evaldag-eval:{train_run}:{step}:{'+'.join(names)}:{digest}:{settings}"
@@ -89,8 +158,10 @@ def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], che
 
 def evaluated_key(checkpoint: str | Path, step: int, benchmark: str,
                   overrides: Mapping[str, Any] | None = None) -> tuple[str, int, str]:
-    """What the sweeper looks up among the finished evaluations (evaldag.tracking.evaluated_checkpoints)."""
-    return str(checkpoint), int(step), settings_key(benchmark, overrides)
+    """What the sweeper looks up among the finished evaluations (evaldag.tracking.evaluated_checkpoints): the
+    folder, the step and `settings_key` (which holds the folder's fingerprint, so a checkpoint rewritten in place
+    is evaluated again)."""
+    return str(checkpoint), int(step), settings_key(benchmark, checkpoint, overrides)
 
 
 def train_run_of(checkpoint: Path, root: Path) -> str:

@@ -30,9 +30,11 @@ from prefect.tasks import exponential_backoff
 
 from evaldag.deployments import SHARD_DEPLOYMENT, SHARD_FLOW
 from evaldag.engines import keep_loaded
+from evaldag.errors import CheckpointError
 from evaldag.grading import start_worker_server
 from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, shard_gpus
 from evaldag.liveness import fence, is_lost_run_crash, revive, settled, watch_for_false_crash
+from evaldag.models import check_unchanged
 from evaldag.plan import EvalPlan, load_plan
 from evaldag.progress import artifact_progress
 from evaldag.stages import generate_shard, grade_shard, record_reused, shard_done, workload
@@ -47,7 +49,19 @@ LEASE_S = 60
 # ---------------------------------------------------------------------- launch (a task of the parent flow)
 
 
-@task(name="launch-shard", retries=2, retry_delay_seconds=5)
+def _relaunchable(task, task_run, state) -> bool:
+    """retry_condition_fn of launch-shard: a shard whose checkpoint is gone or was rewritten since planning fails
+    the same way every time (_run_shard raises CheckpointError for it); every other failure is launched again."""
+    try:
+        state.result()
+    except CheckpointError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="launch-shard", retries=2, retry_delay_seconds=5, retry_condition_fn=_relaunchable)
 def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str]:
     """Start one shard flow run for shard `shard_index` of every plan that still needs it, wait for it, and return
     the graded file of each plan (in the order of `plan_paths`). The plans are the benchmarks of one checkpoint:
@@ -98,8 +112,19 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
             # the same window may have crashed this parent too: its retry can start no task until it is revived
             settled(lambda: client.read_flow_run(parent_run_id))
     if not fr.state.is_completed():
+        # a checkpoint removed or rewritten since planning cannot succeed on a relaunch: say so (CheckpointError,
+        # which launch_shard does not retry) instead of launching it twice more
+        for _, plan in todo:
+            _check_models(plan)
         raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "
                            f"{fr.state.message}")
+
+
+def _check_models(plan: EvalPlan) -> None:
+    """CheckpointError unless the plan's model (and reference) folders still hold what was planned."""
+    check_unchanged(plan.resolved_model)
+    if plan.reference is not None:
+        check_unchanged(plan.reference, "reference model")
 
 
 # ---------------------------------------------------------------------- the shard flow and its tasks
@@ -125,6 +150,8 @@ def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | list
     plans = [load_plan(p) for p in paths]
     to_generate = [plan for plan in plans
                    if plan.reference is not None or not plan.generations_path(shard_index).is_file()]
+    for plan in to_generate:      # a clear error before anything reads the folder (the tokenizer, just below)
+        _check_models(plan)
     gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)
     start_worker_server()  # grading's worker processes get ready while the engine loads
     # sized once for what all of them need together, so the first load serves them all

@@ -25,7 +25,9 @@ def root(tmp_path):
 
 
 def _payload(path, **kw):
-    return {"path": str(path), "step": 1200, "train_run": "grpo-42", **kw}
+    """An event for `path` at the step its folder name says (1200 for a name without one)."""
+    step = parse_step(os.path.basename(str(path)))
+    return {"path": str(path), "step": 1200 if step is None else step, "train_run": "grpo-42", **kw}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def test_missing_folder_refused(root):
 
 
 def test_incomplete_checkpoint_no_tokenizer(root):
-    ckpt = _complete(root / "checkpoint-1")
+    ckpt = _complete(root / "checkpoint-1200")
     (ckpt / "tokenizer.json").unlink()
     with pytest.raises(CheckpointError, match="train_run=grpo-42, step=1200.*has no tokenizer"):
         validate_checkpoint_event(_payload(ckpt), [root])
@@ -169,7 +171,7 @@ def test_incomplete_checkpoint_missing_index_shard(root):
 
 
 def test_marker(root):
-    ckpt = _complete(root / "checkpoint-1")
+    ckpt = _complete(root / "checkpoint-1200")
     with pytest.raises(CheckpointError, match="has no COMPLETE marker"):
         validate_checkpoint_event(_payload(ckpt), [root], marker="COMPLETE")
     (ckpt / "COMPLETE").write_text("")

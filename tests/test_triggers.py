@@ -7,7 +7,7 @@ import pytest
 
 from evaldag.plan import EvalRequest
 from evaldag.triggers import (IDENTITY, NOT_OUTPUT, OUTPUT_SETTINGS, evaluated_key, evaluation_id,
-                              request_settings_key, settings_key)
+                              plan_settings_key, settings_key)
 
 CKPT = "/ckpts/run-1/checkpoint-100"
 
@@ -52,16 +52,22 @@ def test_every_request_field_is_classified():
     assert fields == set(IDENTITY) | set(OUTPUT_SETTINGS) | (set(NOT_OUTPUT) & fields)
 
 
-def test_the_tracked_run_and_the_sweeper_agree():
-    """track() tags a run with request_settings_key(request); the sweeper looks up evaluated_key(...) built from its
-    overrides: the same settings give the same key, so the sweeper skips exactly what was evaluated."""
+def test_the_tracked_run_and_the_sweeper_agree(tmp_path):
+    """track() tags a run with plan_settings_key(plan); the sweeper looks up evaluated_key(...) built from its
+    overrides and the folder: the same settings give the same key, so the sweeper skips exactly what was
+    evaluated."""
+    from conftest import complete_checkpoint
+    from evaldag.plan import resolve
+
+    ckpt = complete_checkpoint(tmp_path / "run-1" / "checkpoint-100")
     overrides = {"limit": 2, "num_shards": 1, "sampling": {"max_new_tokens": 16}, "dispatch": "inline"}
-    request = EvalRequest.parse(benchmark="math500", checkpoint=CKPT, step=100, train_run="run-1",
+    request = EvalRequest.parse(benchmark="math500", checkpoint=str(ckpt), step=100, train_run="run-1",
                                 **{k: v for k, v in overrides.items() if k != "dispatch"})
-    assert request_settings_key(request) == settings_key("math500", overrides)
-    have = {(CKPT, 100, request_settings_key(request))}
-    assert evaluated_key(CKPT, 100, "math500", overrides) in have
-    assert evaluated_key(CKPT, 100, "math500", {**overrides, "limit": None}) not in have   # the full one is not
+    plan = resolve(request, tmp_path / "results")
+    assert plan_settings_key(plan) == settings_key("math500", ckpt, overrides)
+    have = {(str(ckpt), 100, plan_settings_key(plan))}
+    assert evaluated_key(ckpt, 100, "math500", overrides) in have
+    assert evaluated_key(ckpt, 100, "math500", {**overrides, "limit": None}) not in have   # the full one is not
 
 
 def test_unreadable_overrides_still_give_a_key():
