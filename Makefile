@@ -59,10 +59,11 @@ test: setup model
 	$(BIN)/python -m pytest -q --durations=25
 	$(MAKE) test-postgres
 
-# The end-to-end tests with the stack's Prefect server on a private PostgreSQL cluster (needs PostgreSQL's server
-# programs: `apt-get install postgresql`)
+# What the database changes, once more with the stack's Prefect server on a private PostgreSQL cluster (the tests
+# marked `postgres`: deployments, events and automations, the gpu concurrency limit, an evaluation and its idempotent
+# rerun). Needs PostgreSQL's server programs: `apt-get install postgresql`.
 test-postgres: setup model
-	EVALDAG_TEST_DATABASE=postgres $(BIN)/python -m pytest -q -m stack tests/test_e2e.py
+	EVALDAG_TEST_DATABASE=postgres $(BIN)/python -m pytest -q -m "stack and postgres" tests/test_e2e.py tests/test_triggers_e2e.py
 
 # The fast subset: no stack, no model.
 test-fast: setup

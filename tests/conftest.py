@@ -36,6 +36,8 @@ for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
 
 import pytest  # noqa: E402
 
+TEST_MLFLOW_TIMEOUT_S = 12
+
 
 def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on 127.0.0.1."""
@@ -80,8 +82,10 @@ def live_stack():
         pg_root = Path(tempfile.mkdtemp(prefix="evaldag-test-pg-"))
         pg_root.chmod(0o755)
         extra = {"postgres": True, "postgres_port": pg_port, "postgres_dir": pg_root / "cluster"}
+    # a shorter MLflow request timeout than production's 30 s (test_stack checks that one): the hung-server test
+    # waits out about three of them
     stack = Stack(StackSettings(home=_TMP / "stack-home", prefect_port=prefect_port, mlflow_port=mlflow_port,
-                                **extra))
+                                mlflow_timeout_s=TEST_MLFLOW_TIMEOUT_S, **extra))
     try:
         stack.up(deploy=True)
         env = {"PREFECT_API_URL": stack.settings.prefect_api_url, "MLFLOW_TRACKING_URI": stack.mlflow_url,

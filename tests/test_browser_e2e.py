@@ -9,6 +9,7 @@ temporary folder whose path the failure message names.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect.deployments import run_deployment
 
+from cluster_helpers import flow_run, wait_final
 from evaldag.tracking import JOBS_EXPERIMENT, charts_url
 from test_e2e import _shard_runs
 
@@ -30,18 +32,36 @@ JOBS = {"browser-job-a": (10, 20, 30), "browser-job-b": (20,)}
 
 
 @pytest.fixture
-def evaluated(live_stack):
+def sync_api():
+    """Playwright and chromium, checked before anything is evaluated: skipped where they are missing, failed in CI
+    (`.ci/run` installs both)."""
+    why = None
+    try:
+        from playwright import sync_api as api
+    except ImportError:
+        api, why = None, "pip install playwright (the test extra)"
+    if api is not None and not Path(CHROMIUM).is_file():
+        why = f"{CHROMIUM} missing: apt-get install -y chromium"
+    if why:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"CI must run the browser test: {why}")
+        pytest.skip(why)
+    return api
+
+
+@pytest.fixture
+def evaluated(live_stack, sync_api):
     """The evaluations, and what the checks need from Prefect and MLflow, before the browser starts (Playwright's
-    sync API runs an event loop, inside which Prefect's sync calls would hand back coroutines)."""
-    parents = []
-    for job, steps in JOBS.items():
-        for step in steps:
-            fr = run_deployment("eval/math500", parameters={"limit": 1, "num_shards": 1, "step": step,
+    sync API runs an event loop, inside which Prefect's sync calls would hand back coroutines). All four are
+    submitted at once; the gpu slot runs their shards one after another."""
+    submitted = [run_deployment("eval/math500", parameters={"limit": 1, "num_shards": 1, "step": step,
                                                             "train_run": job, "sampling": {"max_new_tokens": 8}},
-                                timeout=600, poll_interval=2)
-            assert fr.state.is_completed(), fr.state
-            parents.append(fr)
-    # later evaluations of the same checkpoint reuse the stored shards and launch none: check one that computed
+                                timeout=0)
+                 for job, steps in JOBS.items() for step in steps]
+    parents = [wait_final(fr.id, timeout=600) and flow_run(fr.id) for fr in submitted]
+    for fr in parents:
+        assert fr.state.is_completed(), fr.state
+    # evaluations of the same checkpoint share the stored shards and launch none: check one that computed
     launched = [(fr, runs) for fr in parents if (runs := _shard_runs(fr.id))]
     assert launched, "no evaluation started shard flow runs"
     exp = MlflowClient().get_experiment_by_name(JOBS_EXPERIMENT)
@@ -49,11 +69,8 @@ def evaluated(live_stack):
 
 
 @pytest.fixture
-def page(evaluated):
+def page(evaluated, sync_api):
     """A fresh headless chromium page; a failed check saves a screenshot and names the folder."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the test extra)")
-    if not Path(CHROMIUM).is_file():
-        pytest.skip(f"{CHROMIUM} missing: apt-get install -y chromium")
     shots = Path(tempfile.mkdtemp(prefix="evaldag-browser-"))
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)

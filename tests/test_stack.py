@@ -92,6 +92,20 @@ def test_settings_from_env_and_gpu_pinning(monkeypatch, tmp_path):
         StackSettings.from_env()
 
 
+def test_production_keeps_the_real_waits(monkeypatch, tmp_path):
+    """The tests' stack shortens some waits (conftest); production's values are these, and reach the workers."""
+    monkeypatch.setenv("EVALDAG_HOME", str(tmp_path))
+    for var in ("EVALDAG_MLFLOW_TIMEOUT_S", "EVALDAG_HEARTBEAT_S", "EVALDAG_WORKER_QUERY_SECONDS"):
+        monkeypatch.delenv(var, raising=False)
+    s = StackSettings.from_env()
+    assert (s.mlflow_timeout_s, s.heartbeat_s, s.stop_timeout_s, s.start_timeout_s) == (30, 30, 10, 180)
+    env = Stack(s)._desired_specs("x")[GPU_WORKER].env
+    assert (env["MLFLOW_HTTP_REQUEST_TIMEOUT"], env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) == ("30", "2")
+    assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
+    monkeypatch.setenv("EVALDAG_MLFLOW_TIMEOUT_S", "12")
+    assert Stack(StackSettings.from_env())._desired_specs("x")[GPU_WORKER].env["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "12"
+
+
 def test_busy_server_answers_are_retried():
     """503 is Prefect's "SQLite busy, retry" (e.g. just after a restart): the stack's own API calls re-send."""
     from evaldag.stack import _RetryBusy
@@ -152,6 +166,11 @@ def test_workers_get_env_and_default_sigint(stack):
             "CUDA_VISIBLE_DEVICES")
     for name, p in procs.items():
         assert os.getpgid(p.pid) == p.pid, f"{name} must lead its own process group"
+        # SIGINT is not ignored (the test session starts the stack with SIGINT ignored in the parent, which a
+        # child would inherit): `down`'s first SIGINT must reach every component
+        ignored = int(next(line for line in Path(f"/proc/{p.pid}/status").read_text().splitlines()
+                           if line.startswith("SigIgn:")).split()[1], 16)
+        assert not ignored & (1 << (signal.SIGINT - 1)), f"{name} ignores SIGINT"
     assert procs[MLFLOW_SERVER].environ()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
 
 

@@ -24,6 +24,10 @@ _MLFLOW_ALLOWED_HOSTS = ("localhost,127.0.0.1,[::1],0.0.0.0,localhost:*,127.0.0.
                          "10.*," + ",".join(f"172.{i}.*" for i in range(16, 32)) + ",fc00:*,fd00:*")
 
 
+# MLflow client retries of one request in a flow run (its own default is 7): the track task's backoff retries after
+MLFLOW_RETRIES = 2
+
+
 class Components:
     """The specs of the stack's components (a part of `evaldag.stack.Stack`)."""
 
@@ -159,7 +163,8 @@ class Components:
             "PREFECT_LOGGING_EXTRA_LOGGERS": "evaldag",
             # fail an MLflow call within seconds and let the track task's backoff retry it, instead of
             # MLflow's own retries blocking a worker slot for minutes
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(MLFLOW_RETRIES),
+            "MLFLOW_HTTP_REQUEST_TIMEOUT": str(self.settings.mlflow_timeout_s)}
 
     def _worker_spec(self, name: str, pool: str, limit: int, gpu: str | None, worker_env: dict[str, str],
                      passthrough: dict[str, str]) -> _Spec:

@@ -31,7 +31,7 @@ _STACK_ENV = {
     "EVALDAG_HOME", "EVALDAG_HOST", "EVALDAG_PREFECT_PORT", "EVALDAG_MLFLOW_PORT", "EVALDAG_NUM_GPUS",
     "EVALDAG_GPU_WORKERS", "EVALDAG_GPUS", "EVALDAG_TP", "EVALDAG_WORKER_QUERY_SECONDS", "EVALDAG_REPO", STACK_ID_ENV,
     "EVALDAG_ADVERTISE_HOST", "EVALDAG_DATABASE_URL", "EVALDAG_POSTGRES", "EVALDAG_POSTGRES_PORT",
-    "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME",
+    "EVALDAG_POSTGRES_DIR", "EVALDAG_PG_BIN", "EVALDAG_HEARTBEAT_S", "EVALDAG_NODE_NAME", "EVALDAG_MLFLOW_TIMEOUT_S",
     "EVALDAG_API_AUTH",
 }
 _WILDCARD = ("0.0.0.0", "::", "")
@@ -63,6 +63,11 @@ class StackSettings(BaseModel):
     cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
     worker_query_seconds: float = Field(
         1, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS); Prefect's default is 10.")
+    mlflow_timeout_s: int = Field(
+        30, ge=1, description="MLflow client request timeout of the workers' flow runs (MLFLOW_HTTP_REQUEST_TIMEOUT, "
+                              "EVALDAG_MLFLOW_TIMEOUT_S; 2 retries each): a hung tracking server costs a track "
+                              "attempt about 3 times this before the task's own backoff retries it. MLflow's default "
+                              "(120 s, 7 retries) would hold a parent flow run for about 16 minutes per attempt.")
     start_timeout_s: float = Field(180, gt=0, description="How long a server or worker may take to become healthy.")
     stop_timeout_s: float = Field(10, gt=0, description="Grace period per signal (SIGINT, SIGTERM) before SIGKILL.")
     advertise_host: str | None = Field(
@@ -273,7 +278,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
                      ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
                      ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
                      ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME"),
-                     ("api_auth", "EVALDAG_API_AUTH")):
+                     ("api_auth", "EVALDAG_API_AUTH"), ("mlflow_timeout_s", "EVALDAG_MLFLOW_TIMEOUT_S")):
         if env.get(var):
             values[key] = env[var]
     if env.get("EVALDAG_POSTGRES", "").strip().lower() in ("1", "true", "yes", "on"):
