@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import psutil
@@ -58,6 +59,24 @@ def children(parent_id) -> list:
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id]))))
 
 
+class NewGenerations:
+    """The generation chunks that evaluations started after this object was made write (one parquet file per batch,
+    in the stack's local result store for `benchmark`): how a test knows that a shard is mid-generation."""
+
+    def __init__(self, stack, benchmark: str = "math500") -> None:
+        self.results = Path(stack.home) / "results" / benchmark
+        self.before = set(self.results.glob("gen-*"))
+
+    def chunk(self, batch: int) -> Path | None:
+        """Batch `batch`'s chunk, once written."""
+        return next((c for g in set(self.results.glob("gen-*")) - self.before
+                     for c in g.glob(f"*.chunks/batch-{batch:05d}-*.parquet")), None)
+
+    def wait(self, batch: int, timeout: float = 600.0) -> Path:
+        """Batch `batch`'s chunk, waiting for it."""
+        return wait(lambda: self.chunk(batch), timeout=timeout, every=0.2)
+
+
 def flow_run_processes(flow_run_id) -> list[psutil.Process]:
     """This machine's processes of one flow run (the worker hands PREFECT__FLOW_RUN_ID to it and its children)."""
     found = []
@@ -66,6 +85,25 @@ def flow_run_processes(flow_run_id) -> list[psutil.Process]:
             if p.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id):
                 found.append(p)
     return found
+
+
+def engine_processes(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Of a flow run's processes, those running Prefect's engine, i.e. the flow itself: a shard generates there
+    (both engines run in that process on a CPU host), the launcher above it only waits."""
+    found = []
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            if "prefect.engine" in " ".join(p.cmdline()):
+                found.append(p)
+    return found
+
+
+def alive(p: psutil.Process) -> bool:
+    """Whether `p` still runs: a zombie (dead, not yet reaped by whoever adopted it) does not."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def kill_all(procs: list[psutil.Process]) -> None:

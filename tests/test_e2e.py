@@ -68,9 +68,10 @@ def _runs_with_key(benchmark: str, eval_key: str) -> list:
 
 
 def _run(params: dict, name: str = "eval/math500", timeout: int = 900):
-    return run_deployment(name, parameters=params, timeout=timeout, poll_interval=2)
+    return run_deployment(name, parameters=params, timeout=timeout, poll_interval=1)
 
 
+@pytest.mark.postgres
 def test_deployment_run_cli_end_to_end(live_stack):
     """The user's command, as typed: the parent completes, its shards ran on the gpu pool, MLflow has the run."""
     params = ["-p", "limit=4", "-p", "num_shards=2", "-p", "step=7", "-p", f"sampling={json.dumps(TINY)}"]
@@ -135,6 +136,7 @@ def test_deployment_run_cli_end_to_end(live_stack):
     assert sorted(samples["sample_id"]) == sorted(first4["unique_id"])
 
 
+@pytest.mark.postgres
 def test_checkpoint_folder_and_idempotent_tracking(live_stack):
     """A plain checkpoint folder evaluates at its step; the same request again reuses results and the MLflow run."""
     from evaldag.models import resolve_model
@@ -166,29 +168,32 @@ def test_checkpoint_folder_and_idempotent_tracking(live_stack):
     assert stages == {"generate": "reused", "grade": "reused"}
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"checkpoint": "/nonexistent/ckpt-1"}, "does not exist"),
-    ({"limit": 0}, "limit"),
-    ({"benchmark": "math5000"}, "unknown benchmark 'math5000'"),
-    ({"sampling": {"max_new_token": 5}}, "max_new_token"),
-    ({"sampling": {"n": 4}}, "temperature"),
-], ids=["missing-checkpoint", "limit-zero", "unknown-benchmark", "misspelt-sampling", "n-without-temperature"])
-def test_bad_input_fails_before_generation(live_stack, params, message):
-    """Bad input ends the flow run Failed with a message naming the problem; no shard is started."""
-    fr = _run(params, timeout=300)
-    assert fr.state.is_failed()
-    assert message in fr.state.message, fr.state.message
-    assert _shard_runs(fr.id) == []
+BAD_INPUTS = {   # name: (parameters, what the failure message must say)
+    "missing-checkpoint": ({"checkpoint": "/nonexistent/ckpt-1"}, "does not exist"),
+    "limit-zero": ({"limit": 0}, "limit"),
+    "unknown-benchmark": ({"benchmark": "math5000"}, "unknown benchmark 'math5000'"),
+    "misspelt-sampling": ({"sampling": {"max_new_token": 5}}, "max_new_token"),
+    "n-without-temperature": ({"sampling": {"n": 4}}, "temperature"),
+}
 
 
-def test_incomplete_checkpoint_is_refused(live_stack, tmp_path):
-    """A folder with config and weights but no tokenizer (a trainer still writing) is refused by name."""
+def test_bad_input_fails_before_generation(live_stack, tmp_path):
+    """Bad input ends the flow run Failed with a message naming the problem; no shard is started. A folder with
+    config and weights but no tokenizer (a trainer still writing) is refused by name. All are submitted at once (the
+    cpu worker runs them side by side) and checked one by one."""
+    from cluster_helpers import wait_final
+
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)
-    fr = _run({"checkpoint": str(tmp_path), "limit": 1}, timeout=300)
-    assert fr.state.is_failed()
-    assert "has no tokenizer" in fr.state.message, fr.state.message
-    assert _shard_runs(fr.id) == []
+    cases = {**BAD_INPUTS, "incomplete-checkpoint": ({"checkpoint": str(tmp_path), "limit": 1}, "has no tokenizer")}
+    submitted = {name: run_deployment("eval/math500", parameters=params, timeout=0)
+                 for name, (params, _) in cases.items()}
+    for name, fr in submitted.items():
+        state = wait_final(fr.id, timeout=300)
+        message = cases[name][1]
+        assert state.is_failed(), (name, state)
+        assert message in state.message, (name, state.message)
+        assert _shard_runs(fr.id) == [], name
 
 
 def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):
@@ -245,7 +250,6 @@ def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):
 def perturbed_reference(tmp_path_factory) -> Path:
     """A different checkpoint to measure KL against: the default model with its final norm scaled by 0.7, so the
     reference's logits are the policy's times 0.7 (the policy at temperature ~1.4). Same tokenizer, new weights."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     from evaldag.models import resolve_model
@@ -268,7 +272,7 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     import numpy as np
 
     from evaldag import store
-    from evaldag.kl import per_sample_kl
+    from evaldag.models import resolve_model
     from evaldag.plan import load_plan
     from evaldag.schema import LOGPROB_SCHEMA, read_table
 
@@ -287,6 +291,13 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
         assert f"maj_at_{k}" in m and m[f"pass_at_{k}_ci_low"] <= m[f"pass_at_{k}"] <= m[f"pass_at_{k}_ci_high"]
     samples = load_samples(run.info.run_id)
     assert sorted(samples["sample_index"].unique()) == [0, 1, 2, 3]
+    # pass@k from the graded rows by the unbiased estimator, 1 - C(n-c, k) / C(n, k) averaged over problems
+    from math import comb
+
+    correct = samples.group_by("sample_id").agg(pl.col("correct").sum())["correct"].to_list()
+    for k in (1, 2, 4):
+        expected = sum(1 - comb(4 - c, k) / comb(4, k) for c in correct) / len(correct)
+        assert m[f"pass_at_{k}"] == pytest.approx(expected), (k, correct)
     assert len(set(samples.filter(pl.col("sample_id") == samples["sample_id"][0])["completion"])) > 1
 
     # KL: the reference really was the other checkpoint and was really scored
@@ -299,28 +310,63 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     assert len(logp) == samples["completion_tokens"].sum()          # every generated token scored by both models
     assert (logp <= 0).all() and (ref <= 0).all()
     assert np.mean(np.abs(logp - ref) > 1e-3) > 0.5                 # two different models, not one scored twice
+    # the stored log-probs are the two models' own: recomputed here with a plain transformers forward pass
+    _check_logprobs_independently(samples, logprobs, src=resolve_model("smollm2-135m-instruct").path,
+                                  ref=perturbed_reference)
     r = ref - logp
-    # the logged estimates are these log-probs' estimates (k1 = -r, k2 = r^2 / 2, k3 = e^r - 1 - r per token) ...
+    # the logged estimates follow from these log-probs by the textbook formulas (Schulman's k1 = -r, k2 = r^2 / 2,
+    # k3 = e^r - 1 - r per token, r = log p_ref - log p), computed here with numpy, not with evaldag.kl
     assert m["kl/k1/token_mean"] == pytest.approx(np.mean(-r), rel=1e-6)
     assert m["kl/k2/token_mean"] == pytest.approx(np.mean(r * r / 2), rel=1e-6)
     assert m["kl/k3/token_mean"] == pytest.approx(np.mean(np.expm1(r) - r), rel=1e-6)
-    per = per_sample_kl(logprobs)
-    for k in ("k1", "k2", "k3"):
-        assert m[f"kl/{k}/sample_sum_mean"] == pytest.approx(per[f"kl_{k}_sum"].mean(), rel=1e-6)
-        assert m[f"kl/{k}/sample_sum_mean"] == pytest.approx(m[f"kl/{k}/token_mean"] * len(r) / 12, rel=1e-6)
-    # ... KL > 0 by every estimator, k2 and k3 are non-negative token by token while k1 is not
+    sums = {"k1": [], "k2": [], "k3": []}
+    for lp, rp in zip(logprobs["logp"].to_list(), logprobs["ref_logp"].to_list()):
+        rs = np.asarray(rp) - np.asarray(lp)
+        sums["k1"].append(np.sum(-rs))
+        sums["k2"].append(np.sum(rs * rs / 2))
+        sums["k3"].append(np.sum(np.expm1(rs) - rs))
+    for k, per_sample in sums.items():
+        assert m[f"kl/{k}/sample_sum_mean"] == pytest.approx(np.mean(per_sample), rel=1e-6)
     print("KL to the perturbed reference per token: " + ", ".join(f"{k} {m[f'kl/{k}/token_mean']:.4f}"
                                                                   for k in ("k1", "k2", "k3")))
+    # a reference at a different temperature: KL > 0 by every estimator (the exact one over the whole vocabulary
+    # too, which the hf engine gives)
     assert m["kl/k1/token_mean"] > 0.01 and m["kl/k2/token_mean"] > 0.01 and m["kl/k3/token_mean"] > 0.01
-    assert (r * r / 2 >= 0).all() and (np.expm1(r) - r >= -1e-12).all() and (-r < 0).any()
-    assert m["kl/exact/token_mean"] > 0.01                  # hf engine: the exact KL over the whole vocabulary too
+    assert m["kl/exact/token_mean"] > 0.01
+
+
+def _check_logprobs_independently(samples: pl.DataFrame, logprobs: pl.DataFrame, src, ref) -> None:
+    """Score two completions under the policy and the reference with transformers directly (chat-formatted prompt,
+    then the generated ids) and compare with the log-probs the pipeline stored."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
+    rows = samples.join(logprobs, on=["sample_id", "sample_index"]).head(2)
+    assert rows.height == 2
+    for folder, column in ((src, "logp"), (ref, "ref_logp")):
+        model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+        for row in rows.iter_rows(named=True):
+            text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                           add_generation_prompt=True)
+            prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt_ids + list(row["completion_ids"])])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+            expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt_ids):, None])[:, 0].numpy()
+            assert row[column] == pytest.approx(expected.tolist(), abs=2e-3), (column, row["sample_id"])
+        del model
 
 
 def test_compare_shows_checkpoints_by_benchmark(live_stack):
     """`evaldag compare` reads the evaluations back from MLflow, one row per (training job, step)."""
-    for step in (5, 10):
-        fr = _run({"limit": 1, "num_shards": 1, "step": step, "train_run": "compare-check", "sampling": TINY})
-        assert fr.state.is_completed(), fr.state.message
+    from cluster_helpers import wait_final
+
+    submitted = [run_deployment("eval/math500", timeout=0, parameters={
+        "limit": 1, "num_shards": 1, "step": step, "train_run": "compare-check", "sampling": TINY}) for step in (5, 10)]
+    for fr in submitted:                      # both at once: one job's two checkpoints, logged side by side
+        state = wait_final(fr.id, timeout=900)
+        assert state.is_completed(), state.message
     evaldag = str(Path(sys.executable).with_name("evaldag"))
     proc = subprocess.run([evaldag, "compare", "--benchmark", "math500"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "COLUMNS": "200"})

@@ -20,8 +20,11 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterName
 from prefect.deployments import run_deployment
 
-from cluster_helpers import flow_run_processes
+from cluster_helpers import (NewGenerations, alive, children, engine_processes, flow_run, flow_run_processes,
+                             kill_all, wait)
+from conftest import TEST_MLFLOW_TIMEOUT_S
 from evaldag.stack import MLFLOW_SERVER
+from evaldag.stack.components import MLFLOW_RETRIES
 from evaldag.tracking import experiment_name
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
@@ -37,34 +40,20 @@ def _track_attempts(flow_run_id) -> list:
     return asyncio.run(go())
 
 
-def _state(flow_run_id):
-    async def go():
-        async with get_client() as client:
-            return (await client.read_flow_run(flow_run_id)).state
-    return asyncio.run(go())
-
-
-def _wait(predicate, timeout=600.0, every=1.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s")
 
 
 def test_mlflow_down_during_tracking_then_back_and_sync(live_stack):
     [mlflow_server] = [s for s in live_stack.status() if s.component == MLFLOW_SERVER]
     psutil.Process(mlflow_server.pid).terminate()
-    _wait(lambda: not any(s.healthy for s in live_stack.status() if s.component == MLFLOW_SERVER), 60)
+    wait(lambda: not any(s.healthy for s in live_stack.status() if s.component == MLFLOW_SERVER), 60)
 
     fr = run_deployment("eval/math500", timeout=0, parameters={
         "limit": 2, "num_shards": 1, "step": 77, "train_run": "mlflow-outage", "sampling": {"max_new_tokens": 16}})
     # the results are computed; tracking fails while the server is away and is retried with backoff
-    _wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
+    wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
                       for t in _track_attempts(fr.id)), timeout=600)
     live_stack.up(deploy=False)                                   # the MLflow server comes back
-    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=600)
+    state = wait(lambda: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=600)
     assert state.is_completed(), state.message
     assert max(t.run_count for t in _track_attempts(fr.id)) >= 2  # it really failed first and was retried
 
@@ -82,10 +71,10 @@ def test_mlflow_down_during_tracking_then_back_and_sync(live_stack):
     assert again.info.run_id != run.info.run_id and again.data.metrics["n_samples"] == 2
 
 
-# A hung MLflow server must cost a track attempt at most this long: the stack gives MLflow's client a 30 s request
-# timeout and 2 retries (measured: 95 s). MLflow's own defaults (120 s, 7 retries) would hold the parent flow run for about
-# 16 minutes per attempt, over an hour across the track task's retries.
-HUNG_ATTEMPT_MAX_S = 150
+# A hung MLflow server must cost a track attempt at most about (1 + retries) request timeouts: the stack gives MLflow's
+# client a request timeout (30 s in production, TEST_MLFLOW_TIMEOUT_S here) and 2 retries. MLflow's own defaults
+# (120 s, 7 retries) would hold the parent flow run for about 16 minutes per attempt.
+HUNG_ATTEMPT_MAX_S = (1 + MLFLOW_RETRIES) * TEST_MLFLOW_TIMEOUT_S + 60
 
 
 def _track_states(task_run_id) -> list:
@@ -105,10 +94,10 @@ def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
     try:
         fr = run_deployment("eval/math500", timeout=0, parameters={
             "limit": 2, "num_shards": 1, "step": 78, "train_run": "mlflow-hung", "sampling": {"max_new_tokens": 16}})
-        [track] = _wait(lambda: [t for t in _track_attempts(fr.id) if t.state and t.state.name == "Running"],
+        [track] = wait(lambda: [t for t in _track_attempts(fr.id) if t.state and t.state.name == "Running"],
                         timeout=600)
         started = time.monotonic()
-        _wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
+        wait(lambda: any(t.run_count >= 1 and t.state and t.state.name in ("AwaitingRetry", "Retrying", "Scheduled")
                           for t in _track_attempts(fr.id)), timeout=HUNG_ATTEMPT_MAX_S + 30)
         print(f"a hung MLflow server cost the track attempt about {time.monotonic() - started:.0f} s")
     finally:
@@ -118,8 +107,8 @@ def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
     failed = next(s for s in states if s.name in ("AwaitingRetry", "Retrying") and s.timestamp > running.timestamp)
     attempt_s = (failed.timestamp - running.timestamp).total_seconds()
     # at least one request timeout: the client waited on a silent server (a refused connection fails in a second)
-    assert 30 <= attempt_s < HUNG_ATTEMPT_MAX_S, attempt_s
-    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=600)
+    assert TEST_MLFLOW_TIMEOUT_S <= attempt_s < HUNG_ATTEMPT_MAX_S, attempt_s
+    state = wait(lambda: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=600)
     assert state.is_completed(), state.message
     assert max(t.run_count for t in _track_attempts(fr.id)) >= 2
     client = MlflowClient()
@@ -127,15 +116,6 @@ def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
     [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'mlflow-hung'")
     assert run.info.status == "FINISHED" and run.data.metrics["n_samples"] == 2
 
-
-def _children(parent_id) -> list:
-    from prefect.client.schemas.filters import FlowRunFilterParentFlowRunId
-
-    async def go():
-        async with get_client() as client:
-            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
-    return asyncio.run(go())
 
 
 def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
@@ -145,21 +125,22 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     from evaldag.tracking import load_samples
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
-    results = Path(live_stack.home) / "results" / "math500"
-    before = set(results.glob("gen-*"))
+    generations = NewGenerations(live_stack)
     fr = run_deployment("eval/math500", timeout=0, parameters={
         "checkpoint": folder, "limit": 12, "num_shards": 1, "step": 88, "train_run": "kill-9",
         "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 48, "seed": 3}})
-    chunk = _wait(lambda: next((c for g in set(results.glob("gen-*")) - before
-                                for c in g.glob("*.chunks/batch-00000-*.parquet")), None), timeout=600, every=0.2)
-    [shard] = _children(fr.id)
+    chunk = generations.wait(0)
+    [shard] = children(fr.id)
     victims = flow_run_processes(shard.id)
-    assert victims, "the shard's flow-run process was not found"
-    for p in victims:
-        p.kill()                                                   # SIGKILL: no cleanup, like a lost node
-    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=900)
+    generating = engine_processes(victims)
+    assert generating, f"the shard's generating process was not found among {victims}"
+    assert not flow_run(shard.id).state.is_final()                         # killed mid-generation, not after
+    kill_all(victims)                                              # SIGKILL: no cleanup, like a lost node
+    assert not any(alive(p) for p in generating), "the generating process outlived the kill"
+    assert not any(alive(p) for p in flow_run_processes(shard.id))  # nothing of the shard is left to write rows
+    state = wait(lambda: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=900)
     assert state.is_completed(), state.message
-    shards = _children(fr.id)
+    shards = children(fr.id)
     states = sorted(s.state.type.value for s in shards)
     assert len(shards) == 2 and states[0] == "COMPLETED" and states[1] in ("CRASHED", "FAILED"), states
 
@@ -186,14 +167,12 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     from evaldag.tracking import load_samples
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
-    results = Path(live_stack.home) / "results" / "math500"
-    before = set(results.glob("gen-*"))
+    generations = NewGenerations(live_stack)
     fr = run_deployment("eval/math500", timeout=0, parameters={
         "checkpoint": folder, "limit": 12, "num_shards": 1, "step": 89, "train_run": "false-crash",
         "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 48, "seed": 4}})
-    _wait(lambda: next((c for g in set(results.glob("gen-*")) - before
-                        for c in g.glob("*.chunks/batch-00000-*.parquet")), None), timeout=600, every=0.2)
-    [shard] = _children(fr.id)
+    generations.wait(0)
+    [shard] = children(fr.id)
     old = flow_run_processes(shard.id)
     assert old, "the shard's flow-run process was not found"
     [action] = crash_automation(MIN_HEARTBEAT_S).actions       # the automation's own state, message and all
@@ -202,11 +181,11 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
             client.set_flow_run_state(run_id, Crashed(message=action.message), force=True)
     gone, alive = psutil.wait_procs(old, timeout=60)
     assert not alive, f"the crashed shard's processes still run: {alive}"
-    revived = _wait(lambda: (s := _state(fr.id)) and s.is_running() and s, timeout=60)
+    revived = wait(lambda: (s := flow_run(fr.id).state) and s.is_running() and s, timeout=60)
     assert "still alive" in revived.message
-    state = _wait(lambda: (s := _state(fr.id)) and s.is_final() and s, timeout=900)
+    state = wait(lambda: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=900)
     assert state.is_completed(), state.message
-    shards = sorted(_children(fr.id), key=lambda r: r.created)
+    shards = sorted(children(fr.id), key=lambda r: r.created)
     assert [r.state.type.value for r in shards] == ["CRASHED", "COMPLETED"], shards
 
     client = MlflowClient()
@@ -236,7 +215,7 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     faults = Path(os.environ["EVALDAG_FAULTS_FILE"])
     faults.write_text(json.dumps({"generate": 1, "grade": 1, "track": 1}))
     try:
-        fr = run_deployment("eval/gsm8k", timeout=900, parameters=params)
+        fr = run_deployment("eval/gsm8k", timeout=900, poll_interval=1, parameters=params)
     finally:
         budget = json.loads(faults.read_text())
         faults.unlink()
@@ -257,7 +236,7 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     # the same request again from scratch, without faults
     store.remove_tree(store.as_path(plan["stage_dir"]))
     store.remove_tree(result_dir)
-    clean = run_deployment("eval/gsm8k", timeout=900, parameters=params)
+    clean = run_deployment("eval/gsm8k", timeout=900, poll_interval=1, parameters=params)
     assert clean.state.is_completed(), clean.state.message
     # the flow's own result is persisted in the result store, so any Prefect client can read it back
     assert clean.state.result()["metrics"]["n_samples"] == 128
@@ -332,22 +311,22 @@ def test_identical_evaluations_started_together_compute_once(live_stack):
             runs = [run_deployment("eval/gsm8k", timeout=0, parameters=params) for _ in range(2)]
 
             def both_waiting():
-                shards = [c for fr in runs for c in _children(fr.id)]
+                shards = [c for fr in runs for c in children(fr.id)]
                 done = [c.state.name for c in shards if c.state and c.state.is_final()]
                 assert not done, f"shard runs ended ({done}) while the test held the generation's lock"
                 waiting = [m for m in _logs([c.id for c in shards]) if WAITING in m]
                 return shards if len(shards) == 2 and len(waiting) == 2 else None
 
             try:
-                shards = _wait(both_waiting, timeout=600, every=2)
+                shards = wait(both_waiting, timeout=600, every=2)
             except AssertionError as e:
-                found = [c for fr in runs for c in _children(fr.id)]
+                found = [c for fr in runs for c in children(fr.id)]
                 raise AssertionError(f"the two shard runs never waited on the lock together ({e}): "
                                      f"{[(str(c.id), c.state.name) for c in found]}, "
                                      f"{_logs([c.id for c in found])}") from None
             assert {t.flow_run_id for t in _generate_runs([c.id for c in shards])
                     if t.state and t.state.is_running()} == {c.id for c in shards}     # two processes at once
-        states = [_wait(lambda fr=fr: (s := _state(fr.id)) and s.is_final() and s, timeout=900) for fr in runs]
+        states = [wait(lambda fr=fr: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=900) for fr in runs]
     assert all(s.is_completed() for s in states), [s.message for s in states]
 
     def outcomes():
@@ -356,11 +335,11 @@ def test_identical_evaluations_started_together_compute_once(live_stack):
         found = [m for m in messages if "batch 1 of 1 done" in m or "generations already in" in m]
         return messages if len(found) >= 2 else None
 
-    messages = _wait(outcomes, timeout=60, every=2)
+    messages = wait(outcomes, timeout=60, every=2)
     computed = [m for m in messages if "batch 1 of 1 done" in m]
     reused = [m for m in messages if "generations already in" in m]
     assert len(computed) == 1 and len(reused) == 1, messages   # one computed; the other waited for it, then reused
-    assert all(c.state.is_completed() for fr in runs for c in _children(fr.id))
+    assert all(c.state.is_completed() for fr in runs for c in children(fr.id))
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name("gsm8k"))

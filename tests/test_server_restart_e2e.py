@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 from mlflow import MlflowClient
 
-from cluster_helpers import children, kill_all, wait, wait_final
+from cluster_helpers import NewGenerations, children, kill_all, wait_final
 from evaldag.stack import MLFLOW_SERVER, PREFECT_SERVER
 from evaldag.tracking import experiment_name, load_samples
 
@@ -37,21 +36,20 @@ def test_prefect_then_mlflow_restart_while_a_shard_generates(live_stack):
     from evaldag.models import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
-    results = Path(live_stack.home) / "results" / "math500"
-    before = set(results.glob("gen-*"))
+    generations = NewGenerations(live_stack)
     fr = run_deployment("eval/math500", timeout=0, parameters={
         "checkpoint": folder, "limit": 12, "num_shards": 1, "step": 55, "train_run": "restarts",
         "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 6}})
-
-    def chunk(b: int):
-        return next((c for g in set(results.glob("gen-*")) - before
-                     for c in g.glob(f"*.chunks/batch-{b:05d}-*.parquet")), None)
-
-    first = wait(lambda: chunk(0), timeout=600, every=0.2)
+    chunk = generations.chunk
+    first = generations.wait(0)
+    [shard] = children(fr.id)
+    # each server dies while the shard is still generating: its next batch is not written yet, the run not final
+    assert chunk(1) is None and not shard.state.is_final(), shard.state
     prefect_away = _restart(live_stack, PREFECT_SERVER)
     [shard] = children(fr.id)
     assert not shard.state.is_final(), shard.state            # the shard lived through it
-    wait(lambda: chunk(1), timeout=600, every=0.2)
+    generations.wait(1)
+    assert chunk(2) is None and not children(fr.id)[0].state.is_final()
     mlflow_away = _restart(live_stack, MLFLOW_SERVER)
 
     state = wait_final(fr.id, timeout=600)

@@ -88,6 +88,7 @@ def triggers(live_stack):
     return live_stack
 
 
+@pytest.mark.postgres
 def test_event_starts_an_evaluation_logged_under_the_job(triggers):
     ckpt = _checkpoint("evt-run", 100)
     notifier = CheckpointNotifier(train_run="evt-run", api_url=triggers.settings.prefect_api_url,
@@ -213,11 +214,13 @@ def test_malformed_payloads_fail_their_own_run(triggers, payload_fn, message):
 
 def test_sweeper_evaluates_checkpoints_nobody_announced(triggers):
     _checkpoint("quiet-run", 300)
-    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "quiet-run")]}, timeout=300)
+    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "quiet-run")]},
+                        timeout=300, poll_interval=1)
     assert fr.state.is_completed(), fr.state.message
     evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "quiet-run")
     assert evaluation.state.is_completed(), evaluation.state.message
-    again = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "quiet-run")]}, timeout=300)
+    again = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "quiet-run")]},
+                        timeout=300, poll_interval=1)
     assert again.state.is_completed()
     time.sleep(3)
     assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "quiet-run"]) == 1
@@ -233,7 +236,8 @@ def test_sweeper_evaluates_again_with_other_settings(triggers):
         return [r for r in _runs("math500") if r.parameters.get("train_run") == "resweep-run"]
 
     for overrides, expected in ((SMALL, 1), ({**SMALL, "limit": 1}, 2), ({**SMALL, "limit": 1}, 2)):
-        fr = run_deployment("eval-sweeper/hourly", parameters={**params, "eval_overrides": overrides}, timeout=300)
+        fr = run_deployment("eval-sweeper/hourly", parameters={**params, "eval_overrides": overrides},
+                            timeout=300, poll_interval=1)
         assert fr.state.is_completed(), fr.state.message
         _wait_for(lambda: len(evals()) == expected and all(r.state.is_final() for r in evals()), timeout=300)
     time.sleep(3)
@@ -298,10 +302,29 @@ def test_server_stopped_right_after_accepting_an_event_is_recovered_by_the_sweep
     run, step = {"terminate": ("accepted-run", 500), "kill": ("crashed-run", 600)}[how]
     ckpt = _stop_right_after_accepting(triggers, run, step, how)
     time.sleep(5)                                  # what survived the stop has had time to start
-    print(f"the stopped server ({how}) lost the accepted event: {not _event_runs(ckpt)}")
-    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ckpt.parent)]}, timeout=300)
+    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ckpt.parent)]}, timeout=300,
+                        poll_interval=1)
     assert fr.state.is_completed(), fr.state.message
     evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == run)
     assert evaluation.state.is_completed(), evaluation.state.message
     time.sleep(3)                                  # a late trigger run would show up here
     assert len([r for r in _runs("math500") if r.parameters.get("train_run") == run]) == 1
+    # which path started the one evaluation: the sweeper when the event was lost; when it survived, its
+    # on-checkpoint run, and the sweeper's request was answered with that run (same idempotency key)
+    events = _event_runs(ckpt)
+    starter = _started_by(evaluation)
+    print(f"the stopped server ({how}) lost the accepted event: {not events}; evaluation started by "
+          f"{'the sweeper' if starter == fr.id else 'the event'}")
+    if not events:
+        assert starter == fr.id, f"the event was lost, yet the evaluation was started by flow run {starter}"
+    else:
+        assert starter in {r.id for r in events} | {fr.id}, starter
+
+
+def _started_by(flow_run) -> object:
+    """The flow run whose task started `flow_run` (run_deployment inside a task links the run it creates to it)."""
+    async def go():
+        async with get_client() as client:
+            return (await client.read_task_run(flow_run.parent_task_run_id)).flow_run_id
+    assert flow_run.parent_task_run_id is not None, f"{flow_run.name} was not started from a flow"
+    return asyncio.run(go())

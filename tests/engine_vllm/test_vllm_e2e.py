@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 
 from mlflow import MlflowClient
 from prefect.deployments import run_deployment
 
+from cluster_helpers import alive, flow_run_processes
 from evaldag.tracking import experiment_name, load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
@@ -26,8 +29,21 @@ def _vllm_processes(stack) -> list[psutil.Process]:
     return found
 
 
+def _assert_shards_left_nothing(stack, parent_id) -> None:
+    """Every shard flow run's processes have exited (the engine lives in them: on a CPU host vLLM's core runs inside
+    the shard's process, so a shard that does not exit keeps the engine, its KV cache and threads), and no vLLM
+    engine process outlived its shard (hosts whose engine core is a process of its own: GPUs)."""
+    shards = _children(parent_id)
+    assert shards and all(r.state.is_final() for r in shards)
+    deadline = time.monotonic() + 30          # the worker reaps a finished run's process within moments
+    while (procs := [p for r in shards for p in flow_run_processes(r.id) if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not procs, f"shard processes still running after their runs ended: {procs}"
+    assert not _vllm_processes(stack), "a vLLM engine process outlived its shard"
+
+
 def test_eval_flow_on_the_vllm_engine(live_stack):
-    fr = run_deployment("eval/gsm8k", timeout=900, parameters={
+    fr = run_deployment("eval/gsm8k", timeout=900, poll_interval=1, parameters={
         "limit": 4, "num_shards": 2, "step": 5, "train_run": "vllm-e2e", "engine": "vllm",
         "sampling": {"max_new_tokens": 24}})
     assert fr.state.is_completed(), fr.state.message
@@ -43,7 +59,7 @@ def test_eval_flow_on_the_vllm_engine(live_stack):
     assert samples.height == 4 and samples["sample_id"].n_unique() == 4
     assert samples["completion"].str.len_chars().min() > 0
     assert set(samples["finish_reason"]) <= {"stop", "length"}
-    assert not _vllm_processes(live_stack), "a vLLM engine process outlived its shard"
+    _assert_shards_left_nothing(live_stack, fr.id)
 
 
 def _children(parent_id) -> list:
@@ -62,7 +78,7 @@ def _children(parent_id) -> list:
 def test_a_checkpoint_on_two_benchmarks_loads_the_engine_once(live_stack):
     """eval/suite (what a checkpoint event naming two benchmarks starts): one slot, so one shard flow run that loads
     the engine once and generates both benchmarks' prompts on it; each benchmark gets its own MLflow run."""
-    fr = run_deployment("eval/suite", timeout=900, parameters={
+    fr = run_deployment("eval/suite", timeout=900, poll_interval=1, parameters={
         "benchmarks": ["gsm8k", "aime24"], "limit": 2, "step": 6, "train_run": "vllm-suite", "engine": "vllm",
         "sampling": {"max_new_tokens": 16}})
     assert fr.state.is_completed(), fr.state.message
@@ -79,4 +95,4 @@ def test_a_checkpoint_on_two_benchmarks_loads_the_engine_once(live_stack):
         [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'vllm-suite'")
         assert run.data.params["engine"] == "vllm"
         assert load_samples(run.info.run_id).height == 2
-    assert not _vllm_processes(live_stack), "a vLLM engine process outlived its shard"
+    _assert_shards_left_nothing(live_stack, fr.id)

@@ -28,6 +28,10 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _resources(p: psutil.Process) -> dict:
+    return {"threads": p.num_threads(), "fds": p.num_fds(), "rss_mb": round(p.memory_info().rss / 2**20)}
+
+
 def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     """The real generate and grade stages with engine=vllm (a second engine, started and closed by the stage)."""
     from evaldag import engines
@@ -39,14 +43,18 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
                                engine="vllm"), tmp_path / "results")
     assert plan.resolved_model.engine == "vllm"
     before = _vllm_processes()
+    me = psutil.Process()
+    start = _resources(me)
     seen: set[int] = set()
     loaded = []
+    at_load = {}
     real = engines.load_engine
 
     def spy(*args, **kwargs):   # the stage's engine, just loaded: its vLLM process must be visible to the filter
         eng = real(*args, **kwargs)
         loaded.append(eng)
         seen.update(_vllm_processes() - before)
+        at_load.update(_resources(me))
         return eng
 
     monkeypatch.setattr(engines, "load_engine", spy)
@@ -58,6 +66,14 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         assert seen, "the stage's own vLLM process was never seen"
     assert _vllm_processes() == before and all(_gone(pid) for pid in seen)   # shut down with the stage, no orphan
+    # what a closed in-process engine must give back, the same on every host: its threads, its descriptors, and
+    # most of the memory its weights and KV cache took (a shard that retries or moves on keeps running here)
+    end = _resources(me)
+    print(f"vLLM stage resources: start {start}, engine loaded {at_load}, closed {end}")
+    assert end["threads"] <= start["threads"] + 1, (start, at_load, end)
+    assert end["fds"] <= start["fds"] + 2, (start, at_load, end)
+    grown = at_load["rss_mb"] - start["rss_mb"]
+    assert end["rss_mb"] - start["rss_mb"] < 0.5 * grown, (start, at_load, end)
     assert gens.height == 4
     assert set(gens["finish_reason"]) <= {"stop", "length"}
     assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
