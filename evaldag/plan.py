@@ -149,16 +149,18 @@ def compute_eval_key(parts: dict) -> str:
 
 # A shard pays a fixed cost before its first token (process start, imports, engine init: ~20 s for vLLM on CPU, about
 # what 45 MATH-500 problems take to generate there), so a shard smaller than this costs more than it saves.
-MIN_PROBLEMS_PER_SHARD = 32
+MIN_SEQUENCES_PER_SHARD = 32
 
 
-def shard_count(n_problems: int, slots: int, requested: int | None = None, configured: int | None = None) -> int:
-    """How many shards an evaluation of `n_problems` gets.
+def shard_count(n_problems: int, slots: int, requested: int | None = None, configured: int | None = None,
+                samples_per_problem: int = 1) -> int:
+    """How many shards an evaluation of `n_problems` (each sampled `samples_per_problem` times) gets.
 
     An explicit count (the request's, else the benchmark config's) is honoured, capped by the problems. Otherwise:
     no more shards than `slots` (gpu slots that can run shards at once: more shards would only queue behind each
-    other, each paying its own start-up), and none with fewer than MIN_PROBLEMS_PER_SHARD problems (a 4-problem
-    slice is one shard). Resume stays sample-level whatever the count: batches are the unit.
+    other, each paying its own start-up) or problems, and none with fewer than MIN_SEQUENCES_PER_SHARD sequences
+    (problems x samples: a 4-problem greedy slice is one shard, while AIME24's 30 problems x 32 samples spread over 8
+    slots instead of queueing on one). Resume stays sample-level whatever the count: batches are the unit.
     """
     if n_problems < 1:
         raise ConfigError("no problems to evaluate")
@@ -166,7 +168,8 @@ def shard_count(n_problems: int, slots: int, requested: int | None = None, confi
         raise ConfigError(f"slots must be >= 1, got {slots}")
     if requested or configured:
         return min(requested or configured, n_problems)
-    return max(1, min(slots, n_problems // MIN_PROBLEMS_PER_SHARD))
+    sequences = n_problems * max(1, samples_per_problem)
+    return max(1, min(slots, n_problems, sequences // MIN_SEQUENCES_PER_SHARD))
 
 
 def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
@@ -194,7 +197,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
     per_shard = shard_gpus(model)       # 0 for a served model: its shards hold no gpu slot
     slots = max(1, num_gpus // per_shard if per_shard else num_gpus)
-    num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards)
+    num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards, sampling.n)
     shards = plan_shards(data.inputs, num_shards)
     pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)
     reference = resolve_model(request.reference) if request.reference else None

@@ -9,7 +9,7 @@ from evaldag.engines import DEFAULT_ENGINE_ENV, default_engine
 from evaldag.engines.dtype import DEFAULT_DTYPE_ENV
 from evaldag.errors import ConfigError
 from evaldag.models import resolve_model
-from evaldag.plan import MIN_PROBLEMS_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, resolve, shard_count
+from evaldag.plan import MIN_SEQUENCES_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, resolve, shard_count
 
 
 def _inputs(n: int) -> pl.DataFrame:
@@ -48,13 +48,22 @@ def test_eval_key_changes_with_any_part():
     (4, 1, 1),          # a quick slice on one slot: one shard, one start-up
     (4, 8, 1),          # ... and on many slots: smaller than the minimum shard
     (64, 1, 1),         # never more shards than slots (they would queue behind each other)
-    (64, 4, 2),         # never fewer than MIN_PROBLEMS_PER_SHARD problems a shard
+    (64, 4, 2),         # never fewer than MIN_SEQUENCES_PER_SHARD sequences a shard
     (500, 4, 4),
-    (500, 64, 500 // MIN_PROBLEMS_PER_SHARD),
+    (500, 64, 500 // MIN_SEQUENCES_PER_SHARD),
     (31, 2, 1),
 ])
 def test_default_shard_count_fits_the_slots(n, slots, expected):
     assert shard_count(n, slots) == expected
+
+
+def test_samples_per_problem_count_towards_the_shard_size():
+    """AIME24 x 32 samples: 960 sequences, spread over every slot (one shard on one slot of 8 took ~4.5x the
+    makespan in bench/bench_schedule.py), but never more shards than problems."""
+    assert shard_count(30, 8) == 1
+    assert shard_count(30, 8, samples_per_problem=32) == 8
+    assert shard_count(4, 8, samples_per_problem=32) == 4
+    assert shard_count(4, 8, samples_per_problem=4) == 1           # 16 sequences: one shard
 
 
 def test_an_explicit_shard_count_is_honoured():
