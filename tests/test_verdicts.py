@@ -1,0 +1,300 @@
+"""Paired verdicts (evaldag.verdicts) and the anytime-valid sequential verdict (evaldag.sequential), each statistic
+checked against an independent computation (by hand, scipy, brute force), the sequential rule by simulation with
+bounds on both sides, and `evaldag compare --verdicts` on a real MLflow store (SQLite) with the samples loader
+replaced (no artifacts server needed)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+from scipy import stats
+
+from evaldag import sequential, verdicts
+
+
+def _brute_sign_flip(d: np.ndarray) -> float:
+    """Two-sided sign-flip p-value by enumerating all 2^m sign vectors."""
+    observed = abs(d.sum())
+    hits = sum(abs(np.dot(signs, np.abs(d))) >= observed - 1e-12
+               for signs in itertools.product((-1.0, 1.0), repeat=d.size))
+    return hits / 2 ** d.size
+
+
+def test_hand_computed_example():
+    # 10 problems, n = 2 samples: d_i in steps of 1/2
+    d = np.array([1, 0.5, 0, 0.5, -0.5, 1, 0.5, 0, 1, 0.5])
+    v = verdicts.paired_test(d, margin=0.02, alpha=0.05, grid=2)
+    # by hand: sum 4.5, mean 0.45; sum of squares 4.25 -> var = (4.25 - 10 * 0.45^2) / 9 = 2.225 / 9
+    assert v.diff == pytest.approx(0.45)
+    assert v.se == pytest.approx(math.sqrt(2.225 / 9 / 10))
+    half = stats.t.ppf(0.975, 9) * v.se
+    assert (v.ci_low, v.ci_high) == pytest.approx((0.45 - half, 0.45 + half))
+    # by hand: |d| has units (2,1,0,1,1,2,1,0,2,1) (x 1/2), total 11; the observed sum is 9 units; flips reaching
+    # |S| >= 9 need the flipped units to sum to <= 1: none flipped, or one of the five 1-unit problems -> 6 of
+    # 2^8 sign patterns of the nonzero problems, each side -> p = 12 / 256
+    assert v.p_value == pytest.approx(12 / 256) and v.p_method == "exact"
+    assert v.p_value == pytest.approx(_brute_sign_flip(d))
+    assert v.verdict == "better"
+
+
+def test_interval_matches_scipy_ttest_rel():
+    rng = np.random.default_rng(3)
+    a = rng.binomial(4, 0.6, size=200) / 4
+    b = rng.binomial(4, 0.5, size=200) / 4
+    v = verdicts.paired_test(a - b, alpha=0.1, grid=4)
+    ref = stats.ttest_rel(a, b)
+    ci = ref.confidence_interval(0.9)
+    assert (v.ci_low, v.ci_high) == pytest.approx((ci.low, ci.high))
+    # the exact sign-flip p-value and the t-test's agree closely on 200 problems
+    assert v.p_value == pytest.approx(ref.pvalue, rel=0.25, abs=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_exact_sign_flip_matches_brute_force_and_monte_carlo(seed):
+    rng = np.random.default_rng(seed)
+    d = (rng.integers(0, 5, 14) - rng.integers(0, 5, 14)) / 4      # n = 4 per problem
+    p, method = verdicts.sign_flip_p_value(d, grid=4)
+    assert method == "exact" and p == pytest.approx(_brute_sign_flip(d))
+    mc, method = verdicts.sign_flip_p_value(d, grid=None)           # no grid given: Monte Carlo
+    assert method == "monte-carlo" and mc == pytest.approx(p, abs=0.01)
+
+
+def test_exact_null_is_fast_on_full_math500_at_n64():
+    rng = np.random.default_rng(0)
+    d = (rng.binomial(64, 0.5, 500) - rng.binomial(64, 0.5, 500)) / 64
+    p, method = verdicts.sign_flip_p_value(d, grid=64)
+    assert method == "exact" and 0 < p <= 1
+
+
+@pytest.mark.parametrize("interval, verdict", [
+    ((-0.01, 0.015), "equivalent"), ((0.005, 0.015), "equivalent"),    # significant but within the margin
+    ((0.01, 0.08), "better"), ((-0.08, -0.001), "worse"), ((-0.01, 0.05), "undecided"),
+    ((float("nan"), float("nan")), "undecided")])
+def test_verdict_rule(interval, verdict):
+    assert verdicts.verdict_from_interval(*interval, margin=0.02) == verdict
+
+
+def test_better_needs_the_exact_test_too():
+    assert verdicts.verdict_from_interval(0.01, 0.08, 0.02, p_value=0.2, alpha=0.05) == "undecided"
+
+
+def test_degenerate_inputs():
+    assert verdicts.paired_test([]).verdict == "undecided"
+    v = verdicts.paired_test(np.zeros(5), grid=1)
+    assert v.p_value == 1.0 and v.verdict == "undecided"            # too few problems to call anything
+    assert verdicts.paired_test(np.zeros(50), grid=1).verdict == "equivalent"
+
+
+def _samples(scores: dict[str, list[int]]) -> pl.DataFrame:
+    return pl.DataFrame([{"sample_id": sid, "sample_index": i, "correct": bool(c), "status": "correct" if c else
+                          "wrong"} for sid, cs in scores.items() for i, c in enumerate(cs)])
+
+
+def test_scores_are_per_problem_means_joined_on_common_ids():
+    a = verdicts.per_problem_scores(_samples({"p1": [1, 1], "p2": [1, 0], "p3": [0, 0], "only_a": [1, 1]}))
+    b = verdicts.per_problem_scores(_samples({"p1": [0, 0], "p2": [1, 0], "p3": [0, 1], "only_b": [0, 0]}))
+    pairs = verdicts.paired_differences(a, b)
+    assert pairs["sample_id"].to_list() == ["p1", "p2", "p3"]
+    assert pairs["d"].to_list() == [1.0, 0.0, -0.5]
+    v = verdicts.compare_scores(a, b, min_problems=1)
+    assert v.n_problems == 3 and v.diff == pytest.approx(0.5 / 3) and v.p_method == "exact"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the confidence sequence
+# ------------------------------------------------------------------------------------------------------------
+
+def _capital(x: np.ndarray, m: float, alpha: float, c: float = 0.5) -> float:
+    """Independent plain-Python hedged capital process of WSR for one candidate mean m (x in [0, 1]): the running
+    maximum of max(K+/2, K-/2)."""
+    kp = km = 1.0
+    best = 0.0
+    mu, sq = 0.5, 0.25
+    total = 0.5
+    for t, xt in enumerate(x):
+        var = sq / (t + 1)
+        lam = math.sqrt(2 * math.log(2 / alpha) / (var * (t + 1) * math.log(t + 2)))
+        kp *= 1 + min(lam, c / m if m > 0 else math.inf) * (xt - m)
+        km *= 1 - min(lam, c / (1 - m) if m < 1 else math.inf) * (xt - m)
+        best = max(best, kp / 2, km / 2)
+        total += xt
+        sq += (xt - mu) ** 2
+        mu = total / (t + 2)
+    return best
+
+
+def test_confidence_sequence_matches_plain_capital_process():
+    rng = np.random.default_rng(7)
+    d = rng.choice([-1.0, -0.5, 0.0, 0.0, 0.5, 1.0], size=120) + 0.0
+    low, high = sequential.confidence_sequence(d, alpha=0.05, grid_size=201)
+    grid = np.linspace(0, 1, 201)
+    kept = [m for m in grid if _capital((d + 1) / 2, m, 0.05) < 1 / 0.05]
+    # the CS is the hull of the never-rejected candidates, one grid step wider
+    step = grid[1] - grid[0]
+    assert low[-1] == pytest.approx(2 * (min(kept) - step) - 1)
+    assert high[-1] == pytest.approx(2 * (max(kept) + step) - 1)
+    assert np.all(np.diff(low) >= -1e-12) and np.all(np.diff(high) <= 1e-12)   # running intersection
+    assert low[-1] <= d.mean() <= high[-1]
+
+
+def _paired_population(rng, runs: int, size: int, shift: float) -> np.ndarray:
+    """d = score_b - score_a with n = 4, U-shaped solve rates, b better by about `shift`."""
+    p = rng.beta(0.75, 0.75, size=(runs, size))
+    q = np.clip(p + shift, 0, 1)
+    return (rng.binomial(4, q) - rng.binomial(4, p)) / 4
+
+
+def test_type_one_error_under_continuous_monitoring_is_at_most_alpha():
+    rng = np.random.default_rng(11)
+    d = _paired_population(rng, 300, 300, 0.0)
+    _, verdict = sequential.stopping_times(d, 1, alpha=0.1, margin=0.0, grid_size=201)
+    false_pos = np.isin(verdict, ["better", "worse"]).mean()
+    assert false_pos <= 0.1
+    # the fixed-n t test read after every problem on the same data goes wrong far more often: the data can fool
+    looks = np.arange(10, 301)
+    means = np.cumsum(d, axis=1)[:, looks - 1] / looks
+    sds = np.array([[row[:t].std(ddof=1) for t in looks] for row in d[:40]])
+    naive = (np.abs(means[:40]) > stats.t.ppf(0.95, looks - 1) * sds / np.sqrt(looks)).any(axis=1).mean()
+    assert naive > 0.2
+
+
+def test_stops_early_and_not_too_early_on_a_clear_difference():
+    rng = np.random.default_rng(12)
+    d = _paired_population(rng, 200, 500, 0.12)
+    stop, verdict = sequential.stopping_times(d, 10, alpha=0.05, margin=0.03, grid_size=201)
+    assert (verdict == "better").mean() >= 0.95                     # a rule that never stops fails here
+    assert np.median(stop) <= 250                                   # ... or one that stops only at the end
+    assert np.min(stop) >= 20                                       # a rule that always stops at once fails here
+    assert not np.any(verdict == "worse")
+
+
+def test_equivalence_is_reached_for_identical_models():
+    rng = np.random.default_rng(13)
+    d = _paired_population(rng, 50, 2000, 0.0)
+    _, verdict = sequential.stopping_times(d, 50, alpha=0.05, margin=0.05, grid_size=401)
+    assert (verdict == "equivalent").mean() >= 0.9
+
+
+def test_sequential_verdict_reads_the_last_interval():
+    d = np.random.default_rng(1).permutation(np.r_[np.ones(60), np.zeros(40)])   # a random order, as required
+    v = sequential.sequential_verdict(d, alpha=0.05, margin=0.02, grid_size=201)
+    assert v.n == 100 and v.verdict == "better" and 0 < v.ci_low <= 0.6 <= v.ci_high
+    assert sequential.sequential_verdict([], margin=0.02).verdict == "undecided"
+    with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+        sequential.confidence_sequence(np.array([2.0]))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# pairing a job's evaluations, `evaldag compare --verdicts`, log_verdicts
+# ------------------------------------------------------------------------------------------------------------
+
+def _scores_for(acc: float, size: int = 200, seed: int = 0) -> pl.DataFrame:
+    """A per-sample table (n = 1) whose problems p000.. are solved with a nested pattern: a higher `acc` solves a
+    superset of a lower one's problems, so differences are clear."""
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(size)
+    solved = order < round(acc * size)
+    return pl.DataFrame({"sample_id": [f"p{i:03d}" for i in range(size)], "sample_index": 0,
+                         "correct": solved, "status": np.where(solved, "correct", "wrong")})
+
+
+def test_pairing_previous_best_and_baseline_within_one_comparison_key():
+    runs = pl.DataFrame({
+        "run_id": ["r1", "r2", "r3", "r4", "q1", "base"],
+        "train_run": ["job", "job", "job", "job", "job", "base-model"],
+        "step": [100, 200, 300, 400, 200, 0],
+        "benchmark": ["math500"] * 6,
+        "comparison_key": ["K", "K", "K", "K", "Q", "K"],       # q1: a quick slice, another key
+        "checkpoint": ["c1", "c2", "c3", "c4", "c2", "/models/base"],
+        "model": ["m"] * 5 + ["base"], "start": [1, 2, 3, 4, 5, 0], "asked": [True] * 5 + [False]})
+    acc = {"r1": 0.30, "r2": 0.60, "r3": 0.45, "r4": 0.61, "q1": 0.5, "base": 0.2}
+    loaded = []
+
+    def load(run_id):
+        loaded.append(run_id)
+        return _scores_for(acc[run_id])
+
+    out = verdicts.pair_job_evaluations(runs, load, margin=0.02, baseline="/models/base")
+    rows = {(r["step"], r["vs"]): r for r in out.filter(pl.col("train_run") == "job").iter_rows(named=True)}
+    assert rows[(200, "previous")]["other"] == "job@100" and rows[(200, "previous")]["verdict"] == "better"
+    assert rows[(300, "previous")]["other"] == "job@200" and rows[(300, "previous")]["verdict"] == "worse"
+    assert rows[(400, "best")]["other"] == "job@200"                # best so far, not the previous (300)
+    assert rows[(400, "best")]["verdict"] in ("equivalent", "undecided")
+    assert rows[(100, "baseline")]["other"] == "base-model@0" and rows[(100, "baseline")]["verdict"] == "better"
+    assert (100, "previous") not in rows                            # the first checkpoint has nothing before it
+    assert not out.filter(pl.col("step") == 200).filter(pl.col("other").str.contains("q1")).height
+    # the quick slice q1 (key Q) is paired with nothing: alone in its key and no baseline with key Q
+    assert "q1" not in out["run_id"].to_list()
+    assert len(loaded) == len(set(loaded))                          # each run's samples are loaded once
+    assert out["diff"].to_list()[0] == pytest.approx(acc["r1"] - acc["base"])
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    return uri
+
+
+def _log_eval(client, exp_id: str, job: str, step: int, acc: float, key: str = "K") -> str:
+    from evaldag.tracking import COMPARISON_TAG
+
+    run = client.create_run(exp_id, run_name=f"{job}@{step}", tags={
+        "kind": "ckpt_eval", "train_run": job, "benchmark": "math500", "step": f"{step:012d}",
+        COMPARISON_TAG: key, "checkpoint": f"/ckpts/{job}/checkpoint-{step}", "model": job})
+    for k, v in {"accuracy": acc, "accuracy_ci_low": acc - 0.05, "accuracy_ci_high": acc + 0.05,
+                 "reward/mean": acc, "step": step}.items():
+        client.log_metric(run.info.run_id, k, v, step=step)
+    client.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def test_compare_cli_prints_verdicts(mlflow_store, monkeypatch):
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from evaldag import tracking
+    from evaldag.cli import app
+
+    client = MlflowClient()
+    exp_id = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    accs = {}
+    for step, acc in ((100, 0.3), (200, 0.6), (300, 0.6)):
+        accs[_log_eval(client, exp_id, "job-a", step, acc)] = acc
+    accs[_log_eval(client, exp_id, "base", 0, 0.1)] = 0.1
+    accs[_log_eval(client, exp_id, "job-b", 100, 0.9)] = 0.9          # not asked for
+    monkeypatch.setattr(tracking, "load_samples", lambda run_id: _scores_for(accs[run_id]))
+
+    result = CliRunner().invoke(app, ["compare", "-b", "math500", "--train-run", "job-a", "--verdicts",
+                                      "--margin", "0.02", "--baseline", "base@0"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "paired verdicts" in out and "job-b" not in out.split("paired verdicts")[1]
+    lines = [line for line in out.splitlines() if "job-a" in line and ("previous" in line or "best" in line
+                                                                       or "baseline" in line)]
+    by = {(line.split("│")[3].strip(), line.split("│")[5].strip()): line for line in lines}
+    assert "better" in by[("200", "previous")] and "+30.0" in by[("200", "previous")]
+    assert "equivalent" in by[("300", "previous")]                  # the same problems solved: d = 0 everywhere
+    assert "better" in by[("100", "baseline")]
+
+
+def test_log_verdicts_writes_tags_and_metrics(mlflow_store):
+    from mlflow import MlflowClient
+
+    from evaldag import tracking
+
+    client = MlflowClient()
+    exp_id = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    run_id = _log_eval(client, exp_id, "job", 100, 0.5)
+    v = verdicts.paired_test(np.r_[np.ones(30), np.zeros(70)], grid=1)
+    verdicts.log_verdicts(client, run_id, {"best": v}, step=100)
+    data = client.get_run(run_id).data
+    assert data.tags["verdict.vs_best"] == "better"
+    assert data.metrics["verdict.vs_best.diff"] == pytest.approx(0.3)
+    assert data.metrics["verdict.vs_best.ci_low"] == pytest.approx(v.ci_low)
+    assert data.metrics["verdict.vs_best.p_value"] == pytest.approx(v.p_value)
