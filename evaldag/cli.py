@@ -344,8 +344,16 @@ def compare(
     train_run: Annotated[Optional[list[str]], typer.Option(help="only this training job (repeat for several)")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="also draw accuracy (with intervals) and reward against "
                                                  "step, one line per training job, to this PNG")] = None,
+    verdicts: Annotated[bool, typer.Option(help="also pair each evaluation with the job's previous and best "
+                                           "checkpoint (and --baseline) on the same problems: paired difference, "
+                                           "interval, p-value, verdict")] = False,
+    margin: Annotated[float, typer.Option(help="equivalence margin of --verdicts (accuracy, 0.02 = 2 points)")] = 0.02,
+    alpha: Annotated[float, typer.Option(help="level of --verdicts' intervals and tests")] = 0.05,
+    baseline: Annotated[Optional[str], typer.Option(help="--verdicts also against this evaluation: a run id, "
+                                                    "checkpoint path, model name or JOB@STEP")] = None,
 ) -> None:
-    """Checkpoints x benchmarks from MLflow: accuracy, interval, delta to the previous and the best checkpoint."""
+    """Checkpoints x benchmarks from MLflow: accuracy, interval, delta to the previous and the best checkpoint;
+    with --verdicts, paired verdicts per evaluation (evaldag/verdicts.py)."""
     from rich.console import Console
 
     from evaldag import runner
@@ -359,6 +367,14 @@ def compare(
         console.print("no finished evaluations in MLflow yet; run one with `evaldag run math500 --limit 20`")
         return
     console.print(render(df))
+    if verdicts:
+        from evaldag import verdicts as paired
+        from evaldag.tracking import load_samples
+
+        pairs = paired.pair_job_evaluations(paired.evaluations(benchmark, train_run), load_samples, margin, alpha,
+                                            baseline)
+        console.print(paired.render(pairs) if pairs.height else
+                      "no verdicts: each job needs two evaluations with the same comparison key (or a --baseline)")
     if plot is not None:
         from evaldag.compare import plot as draw
 
