@@ -274,7 +274,7 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     from evaldag import store
     from evaldag.models import resolve_model
     from evaldag.plan import load_plan
-    from evaldag.schema import LOGPROB_SCHEMA, read_table
+    from evaldag.schema import GENERATION_SCHEMA, LOGPROB_SCHEMA, read_table
 
     params = {"limit": 3, "num_shards": 1, "step": 55, "train_run": "kl-check",
               "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 1},
@@ -311,7 +311,8 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     assert (logp <= 0).all() and (ref <= 0).all()
     assert np.mean(np.abs(logp - ref) > 1e-3) > 0.5                 # two different models, not one scored twice
     # the stored log-probs are the two models' own: recomputed here with a plain transformers forward pass
-    _check_logprobs_independently(samples, logprobs, src=resolve_model("smollm2-135m-instruct").path,
+    generations = read_table(plan.generations_path(0), GENERATION_SCHEMA)     # with the generated token ids
+    _check_logprobs_independently(generations, logprobs, src=resolve_model("smollm2-135m-instruct").path,
                                   ref=perturbed_reference)
     r = ref - logp
     # the logged estimates follow from these log-probs by the textbook formulas (Schulman's k1 = -r, k2 = r^2 / 2,

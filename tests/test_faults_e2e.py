@@ -127,8 +127,8 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
     generations = NewGenerations(live_stack)
     fr = run_deployment("eval/math500", timeout=0, parameters={
-        "checkpoint": folder, "limit": 12, "num_shards": 1, "step": 88, "train_run": "kill-9",
-        "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 48, "seed": 3}})
+        "checkpoint": folder, "limit": 8, "num_shards": 1, "step": 88, "train_run": "kill-9",
+        "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 3}})
     chunk = generations.wait(0)
     [shard] = children(fr.id)
     victims = flow_run_processes(shard.id)
@@ -151,9 +151,9 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     exp = client.get_experiment_by_name(experiment_name("math500"))
     [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'kill-9'")
     samples = load_samples(run.info.run_id)
-    assert samples.height == 96 and run.data.metrics["n_samples"] == 96
-    assert samples.select("sample_id", "sample_index").n_unique() == 96
-    assert samples.group_by("sample_id").len()["len"].to_list() == [8] * 12
+    assert samples.height == 64 and run.data.metrics["n_samples"] == 64
+    assert samples.select("sample_id", "sample_index").n_unique() == 64
+    assert samples.group_by("sample_id").len()["len"].to_list() == [8] * 8
 
 
 def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
@@ -169,8 +169,8 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
     generations = NewGenerations(live_stack)
     fr = run_deployment("eval/math500", timeout=0, parameters={
-        "checkpoint": folder, "limit": 12, "num_shards": 1, "step": 89, "train_run": "false-crash",
-        "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 48, "seed": 4}})
+        "checkpoint": folder, "limit": 8, "num_shards": 1, "step": 89, "train_run": "false-crash",
+        "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 4}})
     generations.wait(0)
     [shard] = children(fr.id)
     old = flow_run_processes(shard.id)
@@ -192,7 +192,7 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     exp = client.get_experiment_by_name(experiment_name("math500"))
     [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'false-crash'")
     samples = load_samples(run.info.run_id)
-    assert samples.height == 96 and samples.select("sample_id", "sample_index").n_unique() == 96
+    assert samples.height == 64 and samples.select("sample_id", "sample_index").n_unique() == 64
 
 
 # figures of the machine and the attempt, not of the answers: they differ between any two runs
@@ -210,7 +210,7 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     from evaldag.models import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch 32 -> 4 prompts x n=8
-    params = {"checkpoint": folder, "limit": 16, "num_shards": 2, "step": 99, "train_run": "fault-drill",
+    params = {"checkpoint": folder, "limit": 8, "num_shards": 1, "step": 99, "train_run": "fault-drill",
               "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 24, "seed": 5}}
     faults = Path(os.environ["EVALDAG_FAULTS_FILE"])
     faults.write_text(json.dumps({"generate": 1, "grade": 1, "track": 1}))
@@ -239,14 +239,14 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     clean = run_deployment("eval/gsm8k", timeout=900, poll_interval=1, parameters=params)
     assert clean.state.is_completed(), clean.state.message
     # the flow's own result is persisted in the result store, so any Prefect client can read it back
-    assert clean.state.result()["metrics"]["n_samples"] == 128
+    assert clean.state.result()["metrics"]["n_samples"] == 64
     assert any((store.root() / "prefect-results").iterdir())
     clean_metrics = json.loads((result_dir / "metrics.json").read_text())
     clean_samples = pl.read_parquet((result_dir / "samples.parquet").read_bytes())
 
     keys = ["sample_id", "sample_index"]
-    assert faulty_samples.height == clean_samples.height == 16 * 8
-    assert faulty_samples.select(keys).n_unique() == 128                # none lost, none doubled
+    assert faulty_samples.height == clean_samples.height == 8 * 8
+    assert faulty_samples.select(keys).n_unique() == 64                # none lost, none doubled
     cols = keys + ["completion", "status", "reward", "answer_group"]
     assert faulty_samples.sort(keys).select(cols).equals(clean_samples.sort(keys).select(cols))
     task = {k: v for k, v in clean_metrics.items() if k not in _SYSTEM}

@@ -186,10 +186,12 @@ def test_a_full_evaluation_after_a_quick_slice_runs(triggers):
     (lambda ok: {k: v for k, v in ok.items() if k != "path"}, "path"),
     (lambda ok: {**ok, "path": "/etc"}, "not under"),
     (lambda ok: {**ok, "path": str(ROOT / "bad-run" / ".." / "bad-run" / "checkpoint-1")}, ".."),
-    (lambda ok: {**ok, "path": str(ROOT / "bad-run" / "checkpoint-2")}, "no tokenizer"),
+    (lambda ok: {**ok, "path": str(ROOT / "bad-run" / "checkpoint-2"), "step": 2}, "no tokenizer"),
     (lambda ok: {**ok, "step": -5}, "step"),
+    (lambda ok: {**ok, "step": 7}, "says step 1, the event says step 7"),
     (lambda ok: {**ok, "benchmarks": ["math5000"]}, "unknown benchmarks"),
-], ids=["missing-path", "outside-roots", "traversal", "incomplete", "negative-step", "unknown-benchmark"])
+], ids=["missing-path", "outside-roots", "traversal", "incomplete", "negative-step", "step-mismatch",
+        "unknown-benchmark"])
 def test_malformed_payloads_fail_their_own_run(triggers, payload_fn, message):
     incomplete = ROOT / "bad-run" / "checkpoint-2"
     incomplete.mkdir(parents=True, exist_ok=True)

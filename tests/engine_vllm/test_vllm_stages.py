@@ -29,7 +29,7 @@ def _gone(pid: int) -> bool:
 
 
 def _resources(p: psutil.Process) -> dict:
-    return {"threads": p.num_threads(), "fds": p.num_fds(), "rss_mb": round(p.memory_info().rss / 2**20)}
+    return {"threads": p.num_threads(), "fds": p.num_fds()}
 
 
 def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
@@ -66,14 +66,15 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         assert seen, "the stage's own vLLM process was never seen"
     assert _vllm_processes() == before and all(_gone(pid) for pid in seen)   # shut down with the stage, no orphan
-    # what a closed in-process engine must give back, the same on every host: its threads, its descriptors, and
-    # most of the memory its weights and KV cache took (a shard that retries or moves on keeps running here)
+    # what a closed in-process engine must give back, the same on every host: its threads and its descriptors
+    # (measured: 24 threads and 26 descriptors before, 63 and 79 with the engine loaded, 24 and 26 after). Memory
+    # is not checked here: this process held earlier engines, whose freed pages the allocator reuses, so RSS
+    # neither grows at the load nor shrinks at the close; the shard's process exit (test_vllm_e2e) returns it.
     end = _resources(me)
     print(f"vLLM stage resources: start {start}, engine loaded {at_load}, closed {end}")
+    assert at_load["threads"] > start["threads"] and at_load["fds"] > start["fds"], (start, at_load)  # can fail
     assert end["threads"] <= start["threads"] + 1, (start, at_load, end)
     assert end["fds"] <= start["fds"] + 2, (start, at_load, end)
-    grown = at_load["rss_mb"] - start["rss_mb"]
-    assert end["rss_mb"] - start["rss_mb"] < 0.5 * grown, (start, at_load, end)
     assert gens.height == 4
     assert set(gens["finish_reason"]) <= {"stop", "length"}
     assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
