@@ -78,7 +78,8 @@ def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str,
     """Throughput, latency, memory and stage wall times.
 
     `shard_stats` has one row per shard (figures written by the stages); latency percentiles are over requests
-    (completions) from the graded table, where a request's latency is the wall time of the batch that served it.
+    (completions) from the graded table, where a request's latency is its own wall time on vLLM and a server, and the
+    wall time of the batch that served it on transformers (evaldag.engines.base.Completion.latency_s).
     """
     row = shard_stats.select(
         generation_tokens=pl.col("generation_tokens").sum(),

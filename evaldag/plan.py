@@ -31,7 +31,9 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/3"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds
+PIPELINE_VERSION = f"{__version__}/4"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds;
+# 4: vLLM seeds each request by (seed, sample id) instead of (shard seed, batch, position): sampled vLLM
+# completions change (greedy ones do not); its latency_s is the request's own
 
 
 class EvalRequest(BaseModel):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -75,9 +76,10 @@ def record_reused(plan: EvalPlan, shard: int) -> None:
         _record_stage(plan, shard, stage, computed=False)
 
 
-# progress(problems done, problems in the shard, tokens generated so far): called as generation starts and after
-# each completed batch; the orchestration layer publishes it (evaldag.progress.artifact_progress: a Prefect
-# progress artifact)
+# progress(problems done, problems in the shard, tokens generated so far): called as generation starts, as
+# requests finish and running requests generate tokens (at most every PROGRESS_S seconds; a static-batch engine:
+# after each batch), and at the end; the orchestration layer publishes it (evaldag.progress.artifact_progress: a
+# Prefect progress artifact)
 Progress = Callable[[int, int, int], None]
 
 
@@ -85,7 +87,8 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
     """Generate `n` completions for every problem of one shard; write and return the generations file.
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
-    `progress`, when given, hears how many of the shard's problems are done after each batch.
+    `progress`, when given, hears how many of the shard's problems are done and how many tokens were generated,
+    while it generates (see Progress).
     """
     out = plan.generations_path(shard)
     with store.lock(out):
@@ -104,62 +107,219 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
 
 
 def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None = None) -> None:
-    """Generate batch by batch, each batch written as its own parquet chunk as soon as it completes: a shard killed
-    midway (node loss, OOM, kill -9) resumes from its complete chunks, and since batches and their seeds are
-    deterministic the resumed output equals an uninterrupted one. The engine gets every missing batch at once
-    (Engine.generate_batches), so a continuously batching engine never drains between batches."""
+    """Generate the shard's missing completions, made durable as parquet chunks while they come (a shard killed
+    midway, by node loss, OOM or kill -9, resumes from its chunks and loses at most one chunk's worth), then merge
+    the chunks into `out`. An engine that reports per request (generate_requests: vLLM) gets every missing request
+    at once and its rows are written in chunks of finished requests (_PerRequest); a static-batch engine gets every
+    missing batch (Engine.generate_batches) and each batch is written as it completes (_PerBatch). Seeds are per
+    request or per batch, never per chunk, so the resumed output equals an uninterrupted one."""
     from evaldag.engines import engine_for
     from evaldag.models import check_unchanged
 
     inputs = plan.shard_inputs(shard)
     prompts = inputs["prompt"].to_list()
-    records = inputs.to_dicts()
     chunks = out.with_name(out.stem + ".chunks")
     t0 = time.perf_counter()
     check_unchanged(plan.resolved_model)          # before the tokenizer and the engine read the folder
     with engine_for(plan.resolved_model, workload(plan, shard)) as got:
-        engine = got.engine
         load_s = time.perf_counter() - t0
         if got.loaded:      # and after: weights rewritten while the engine read them are caught here
             check_unchanged(plan.resolved_model)
-        batches = engine.plan_batches(prompts, plan.sampling)
-        sampling = plan.shard_sampling(shard)      # a random stream of its own per shard
-
-        def chunk(b: int) -> UPath:
-            return chunks / f"batch-{b:05d}-of-{len(batches):05d}.parquet"
-
-        todo = [(b, [prompts[i] for i in idx]) for b, idx in enumerate(batches) if not chunk(b).is_file()]
-        if todo:
-            check_context(plan, engine, prompts)
-        resumed, left = len(batches) - len(todo), len(todo)
-        t1, tokens = time.perf_counter(), 0
-        todo_ids = {b for b, _ in todo}
-        done = sum(len(idx) for b, idx in enumerate(batches) if b not in todo_ids)   # resumed from chunks
-        if progress is not None:
-            progress(done, len(prompts), 0)
-        # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
-        # loaded for the retry (engines.keep_loaded)
-        with contextlib.closing(engine.generate_batches(todo, sampling)) as stream:
-            for b, completions in stream:
-                idx = batches[b]
-                rows = _generation_rows(records, idx, completions, shard)
-                write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), chunk(b), GENERATION_SCHEMA)
-                tokens += sum(r["completion_tokens"] for r in rows)
-                left -= 1
-                done += len(idx)
-                if progress is not None:
-                    progress(done, len(prompts), tokens)
-                log.info("shard %d: batch %d of %d done (%d left), %d tokens, %.0f tok/s", shard, b + 1,
-                         len(batches), left, tokens, tokens / (time.perf_counter() - t1))
-                if left:
-                    faults.maybe_fail("generate")
-    gen_s = time.perf_counter() - t1
+        mode = _PerRequest if hasattr(got.engine, "generate_requests") else _PerBatch
+        run = mode(plan, shard, got.engine, inputs, chunks, progress)
+        if run.todo:
+            check_context(plan, got.engine, prompts)
+        run.generate()
     write_table(_merge_chunks(chunks, inputs, plan.sampling.n, shard), out, GENERATION_SCHEMA)
     store.write_json(plan.stats_path("generate", shard), {
-        "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": gen_s,
-        "generation_tokens": float(tokens),
-        "resumed_batches": resumed, "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
+        "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": run.seconds,
+        "generation_tokens": float(run.tokens), **run.resumed,
+        "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
+
+
+# How often generated rows are made durable, for engines that report per request: a chunk is written once this
+# many requests are waiting to be written, or once the oldest of them has waited this many seconds, whichever comes
+# first. A chunk costs one small parquet file in the result store; these defaults bound the loss of a killed shard
+# to half a minute of generation and keep a 500-problem shard to about 10-30 files.
+CHUNK_REQUESTS_ENV, CHUNK_REQUESTS = "EVALDAG_CHUNK_REQUESTS", 64
+CHUNK_S_ENV, CHUNK_S = "EVALDAG_CHUNK_S", 30.0
+# Progress is published at most this often while generating (each publication is a Prefect API call); the first
+# and the last are always published.
+PROGRESS_S = 5.0
+
+
+def chunk_policy() -> tuple[int, float]:
+    """(requests, seconds) after which finished requests are written as a chunk ($EVALDAG_CHUNK_REQUESTS,
+    $EVALDAG_CHUNK_S; defaults CHUNK_REQUESTS, CHUNK_S)."""
+    requests = int(os.environ.get(CHUNK_REQUESTS_ENV) or CHUNK_REQUESTS)
+    seconds = float(os.environ.get(CHUNK_S_ENV) or CHUNK_S)
+    if requests < 1 or seconds <= 0:
+        raise ValueError(f"{CHUNK_REQUESTS_ENV} must be >= 1 and {CHUNK_S_ENV} > 0, got {requests} and {seconds}")
+    return requests, seconds
+
+
+class _ShardRun:
+    """What both ways of generating a shard share: its rows, its progress (problems done, tokens generated) and the
+    figures for its stats."""
+
+    def __init__(self, plan: EvalPlan, shard: int, engine, inputs: pl.DataFrame, chunks: UPath,
+                 progress: Progress | None) -> None:
+        self.plan, self.shard, self.engine, self.chunks, self._progress = plan, shard, engine, chunks, progress
+        self.records = inputs.to_dicts()
+        self.prompts = inputs["prompt"].to_list()
+        self.done = 0                   # problems whose rows are generated (resumed ones included)
+        self.tokens = 0                 # tokens of this run's finished requests
+        self.running_tokens = 0         # tokens of its requests still running, as the engine last reported them
+        self.seconds = 0.0
+        self._published = -float("inf")
+        self._reported_tokens = 0
+        self.todo: list = []
+        self.resumed: dict[str, int] = {}
+
+    def report(self, force: bool = False) -> None:
+        """Publish the progress, at most every PROGRESS_S seconds unless forced."""
+        now = time.perf_counter()
+        if self._progress is None or (not force and now - self._published < PROGRESS_S):
+            return
+        self._published = now
+        # never backwards: a finished request's final count can be below what its last running report estimated
+        self._reported_tokens = max(self._reported_tokens, self.tokens + self.running_tokens)
+        self._progress(self.done, len(self.prompts), self._reported_tokens)
+
+    def rows(self, i: int, completions: list) -> list[dict]:
+        """One row per completion of problem `i`: its input row plus what the engine returned."""
+        return [{**self.records[i], "sample_index": k, "shard_index": self.shard, "completion": c.text,
+                 "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
+                 "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
+                 "latency_s": c.latency_s, "batch_size": c.batch_size} for k, c in enumerate(completions)]
+
+    def log_rate(self, what: str) -> None:
+        log.info("shard %d: %s; %d of %d problems, %d tokens, %.0f tok/s", self.shard, what, self.done,
+                 len(self.prompts), self.tokens, self.tokens / max(self.seconds, 1e-9))
+
+
+class _PerBatch(_ShardRun):
+    """A static-batch engine (transformers, a server): the engine's batches, each written as one chunk and reported
+    as it completes; a resumed shard skips the batches whose chunk exists (seeds are per batch)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.batches = self.engine.plan_batches(self.prompts, self.plan.sampling)
+        self.todo = [(b, [self.prompts[i] for i in idx]) for b, idx in enumerate(self.batches)
+                     if not self._chunk(b).is_file()]
+        todo_ids = {b for b, _ in self.todo}
+        self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
+        self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
+
+    def _chunk(self, b: int) -> UPath:
+        return self.chunks / f"batch-{b:05d}-of-{len(self.batches):05d}.parquet"
+
+    def generate(self) -> None:
+        t1, left = time.perf_counter(), len(self.todo)
+        self.report(force=True)
+        sampling = self.plan.shard_sampling(self.shard)      # a random stream of its own per shard
+        # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
+        # loaded for the retry (engines.keep_loaded)
+        with contextlib.closing(self.engine.generate_batches(self.todo, sampling)) as stream:
+            for b, completions in stream:
+                rows = [r for i, comps in zip(self.batches[b], completions) for r in self.rows(i, comps)]
+                write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), self._chunk(b), GENERATION_SCHEMA)
+                self.tokens += sum(r["completion_tokens"] for r in rows)
+                self.done += len(self.batches[b])
+                self.seconds = time.perf_counter() - t1
+                left -= 1
+                self.report(force=True)         # a batch is minutes of work: every one is news
+                self.log_rate(f"batch {b + 1} of {len(self.batches)} done ({left} left)")
+                if left:
+                    faults.maybe_fail("generate")
+        self.seconds = time.perf_counter() - t1
+
+
+class _PerRequest(_ShardRun):
+    """An engine that reports per request (vLLM): every missing request at once, seeded by (evaluation seed,
+    sample id) whatever batch or chunk it falls in; finished requests are written in chunks (chunk_policy), and
+    progress counts finished requests and the tokens of running ones. A resumed shard skips the problems already
+    in a chunk."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        written = _written_samples(self.chunks)
+        self.todo = [i for i, r in enumerate(self.records) if r["sample_id"] not in written]
+        self.done = len(self.prompts) - len(self.todo)
+        self.resumed = {"resumed_requests": self.done}
+        self._next_chunk = 1 + max((int(p.stem.split("-")[1]) for p in self.chunks.glob("requests-*.parquet")),
+                                   default=0)
+        self._pending: list[dict] = []      # rows of finished requests not yet written
+        self._pending_requests = 0
+        self._pending_since = 0.0
+
+    def generate(self) -> None:
+        from evaldag.engines.base import Finished, Request, request_seed
+
+        every_requests, every_s = chunk_policy()
+        t1 = time.perf_counter()
+        self.report(force=True)
+        seed = self.plan.sampling.seed
+        requests = [Request(i, self.prompts[i], request_seed(seed, self.records[i]["sample_id"])) for i in self.todo]
+        # closing(): a failure must also withdraw the requests still in the engine, which stays loaded for the
+        # retry (engines.keep_loaded)
+        try:
+            with contextlib.closing(self.engine.generate_requests(requests, self.plan.sampling)) as events:
+                for event in events:
+                    if isinstance(event, Finished):
+                        self._finished(event.key, event.completions)
+                    elif event.tokens is not None:
+                        self.running_tokens = event.tokens
+                    self.seconds = time.perf_counter() - t1
+                    if (self._pending_requests >= every_requests
+                            or (self._pending and time.perf_counter() - self._pending_since >= every_s)):
+                        self._flush()
+                        if self.done < len(self.prompts):
+                            faults.maybe_fail("generate")
+                    self.report()
+        except BaseException:
+            # a failure the process survives (engine error, Ctrl-C) keeps what finished before it for the retry;
+            # a failed write must not hide the failure itself
+            with contextlib.suppress(Exception):
+                self._flush()
+            raise
+        self._flush()
+        self.seconds = time.perf_counter() - t1
+        self.running_tokens = 0
+        self.report(force=True)
+
+    def _finished(self, i: int, completions: list) -> None:
+        if not self._pending:
+            self._pending_since = time.perf_counter()
+        self._pending.extend(self.rows(i, completions))
+        self._pending_requests += 1
+        self.tokens += sum(c.completion_tokens for c in completions)
+        # the engine's running count still holds this request's tokens until its next report
+        self.running_tokens = max(0, self.running_tokens - sum(c.completion_tokens for c in completions))
+        self.done += 1
+
+    def _flush(self) -> None:
+        """Write the finished requests not yet written as one chunk."""
+        if not self._pending:
+            return
+        path = self.chunks / f"requests-{self._next_chunk:06d}.parquet"
+        write_table(pl.DataFrame(self._pending, schema=GENERATION_SCHEMA), path, GENERATION_SCHEMA)
+        self.log_rate(f"{self._pending_requests} requests written to {path.name}")
+        self._next_chunk += 1
+        self._pending, self._pending_requests = [], 0
+
+
+def _chunk_files(chunks: UPath) -> list[UPath]:
+    """A shard's chunks, batch chunks and request chunks alike, in a fixed order."""
+    return sorted([*chunks.glob("batch-*.parquet"), *chunks.glob("requests-*.parquet")], key=str)
+
+
+def _written_samples(chunks: UPath) -> set[str]:
+    """The sample ids whose rows are already in a chunk (a request's n rows are written together)."""
+    if not chunks.is_dir():
+        return set()
+    return {sid for p in _chunk_files(chunks) for sid in read_table(p, GENERATION_SCHEMA)["sample_id"].to_list()}
 
 
 def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:
@@ -193,19 +353,10 @@ def workload(plan: EvalPlan, shard: int):
     return engines.workload(plan.resolved_model, prompts, plan.sampling)
 
 
-def _generation_rows(records: list[dict], idx: list[int], completions: list, shard: int) -> list[dict]:
-    """One row per completion of one batch: the input row of its problem plus what the engine returned."""
-    return [{**records[i], "sample_index": k, "shard_index": shard, "completion": c.text,
-             "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
-             "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
-             "latency_s": c.latency_s, "batch_size": c.batch_size}
-            for i, comps in zip(idx, completions) for k, c in enumerate(comps)]
-
-
 def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, n: int, shard: int) -> pl.DataFrame:
-    """The batch chunks of a shard as one table in the plan's order, checked to hold `n` rows per problem."""
+    """The chunks of a shard as one table in the plan's order, checked to hold `n` rows per problem."""
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
-    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in sorted(chunks.glob("batch-*.parquet"), key=str)])
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in _chunk_files(chunks)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
     if df.height != inputs.height * n:
         raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "

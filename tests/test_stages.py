@@ -276,3 +276,202 @@ def test_progress_is_reported_per_batch_and_on_resume_and_reuse(setup):
     heard.clear()
     generate_shard(plan, 0, lambda *a: heard.append(a))
     assert heard == [(3, 3, 0)]                                # reused
+
+
+# ---------------------------------------------------------------------- per-request engines (vLLM's way)
+
+
+class StreamingEngine:
+    """A stand-in for an engine that batches continuously (vLLM): every request in at once, shortest prompt
+    finishing first, one request every `delay` seconds, with a Running report of the tokens of the unfinished
+    ones before each; completions derive from the request's own seed. Its plan_batches/generate_batches (one batch
+    of 64, the whole shard, grouped from the same requests) are what a per-batch stage would use."""
+
+    delay = 0.05
+    crash_after = None          # finished requests after which it raises (a node dying mid-shard)
+    generated: list = []        # keys of the requests it generated, over all instances
+    on_finish = None            # called with the request just finished, before it is yielded
+
+    def plan_batches(self, prompts, sampling):
+        return [list(range(lo, min(lo + 64, len(prompts)))) for lo in range(0, len(prompts), 64)]
+
+    def generate_requests(self, requests, sampling):
+        from evaldag.engines.base import Finished, Running
+
+        order = sorted(requests, key=lambda r: (len(r.prompt), r.key))
+        for j, r in enumerate(order):
+            if j == type(self).crash_after:
+                raise ConnectionError("node lost")
+            time.sleep(type(self).delay)
+            yield Running(tokens=7 * (len(order) - j))              # 7 tokens so far per unfinished request
+            type(self).generated.append(r.key)
+            if type(self).on_finish is not None:
+                type(self).on_finish(r)
+            yield Finished(r.key, [Completion(text=f"{r.seed}-{k}", token_ids=[1, 2, 3], prompt_tokens=5,
+                                              completion_tokens=10, finish_reason="stop",
+                                              latency_s=0.01 * (j + 1), batch_size=len(requests))
+                                   for k in range(sampling.n)])
+
+    def generate_batches(self, batches, sampling):
+        from evaldag.engines.base import Finished, Request, request_seed
+
+        requests = [Request((b, k), p, request_seed(sampling.seed, f"{b}:{k}")) for b, ps in batches
+                    for k, p in enumerate(ps)]
+        got: dict = {}
+        for event in self.generate_requests(requests, sampling):
+            if isinstance(event, Finished):
+                got[event.key] = event.completions
+        for b, ps in batches:
+            yield b, [got[(b, k)] for k in range(len(ps))]
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def streaming(setup, monkeypatch):
+    StreamingEngine.delay, StreamingEngine.crash_after, StreamingEngine.on_finish = 0.05, None, None
+    StreamingEngine.generated = []
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: StreamingEngine())
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "3")
+    monkeypatch.setenv("EVALDAG_CHUNK_S", "60")
+    return setup
+
+
+def _generate_streaming(plan, delay: float) -> None:
+    """generate_shard with the StreamingEngine, in a process of its own (the target of a spawned process)."""
+    StreamingEngine.delay = delay
+    engines.load_engine = lambda *a, **k: StreamingEngine()
+    generate_shard(plan, 0)
+
+
+def _plan_of(ckpt, results, limit=8, **sampling):
+    return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=limit, num_shards=1,
+                               sampling=sampling or None), results)
+
+
+def _chunk_rows(plan) -> list[int]:
+    """Rows per chunk file of shard 0, in the order they were written."""
+    import polars as pl
+
+    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    return [pl.read_parquet(p).height for p in sorted(chunks.glob("*.parquet"), key=str)]
+
+
+def test_finished_requests_are_written_every_n_requests(streaming):
+    """With 3 requests per chunk, 8 problems x n=2 become durable 3 problems at a time while they finish, not as
+    one batch at the end."""
+    ckpt, _, results = streaming
+    plan = _plan_of(ckpt, results, n=2, temperature=0.7)
+    seen = []
+    StreamingEngine.on_finish = lambda r: seen.append(_chunk_rows(plan))
+    generate_shard(plan, 0)
+    # what was on disk as each request finished: a chunk of 3 problems (6 rows) after every third
+    assert seen == [[]] * 3 + [[6]] * 3 + [[6, 6]] * 2, seen
+
+
+def test_finished_requests_are_written_every_t_seconds(streaming, monkeypatch):
+    """A chunk is also written when its oldest request has waited EVALDAG_CHUNK_S, however few requests it holds:
+    slow requests become durable within that time, not when enough of them have finished."""
+    ckpt, _, results = streaming
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "64")
+    monkeypatch.setenv("EVALDAG_CHUNK_S", "0.25")
+    StreamingEngine.delay = 0.15
+    plan = _plan_of(ckpt, results, limit=6)
+    seen = []
+    StreamingEngine.on_finish = lambda r: seen.append(sum(_chunk_rows(plan)))
+    generate_shard(plan, 0)
+    # the first rows are on disk well before the last request finishes, and never more than 2 requests behind
+    assert seen[-1] >= 3 and all(len(seen[:j]) - rows <= 2 for j, rows in enumerate(seen)), seen
+
+
+def test_shard_killed_mid_generation_resumes_with_every_row_exactly_once(streaming):
+    """kill -9 in the middle of generation: the requests in written chunks are kept, the resumed run generates only
+    the others, and the result equals an uninterrupted run's (seeds per request, not per batch or chunk)."""
+    import multiprocessing
+    import os
+    import signal
+
+    import polars as pl
+
+    ckpt, _, results = streaming
+    plan = _plan_of(ckpt, results, n=2, temperature=0.7)
+    # spawn, not fork: a forked child of a process that has used polars' thread pool can deadlock
+    child = multiprocessing.get_context("spawn").Process(target=_generate_streaming, args=(plan, 0.3))
+    child.start()
+    deadline = time.monotonic() + 60
+    while sum(_chunk_rows(plan)) < 6 and time.monotonic() < deadline:   # the first chunk: 3 problems x n=2
+        assert child.is_alive(), f"the shard process ended ({child.exitcode}) before it was killed"
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    kept = sum(_chunk_rows(plan)) // 2
+    assert 3 <= kept < 8 and not plan.generations_path(0).exists(), kept
+
+    StreamingEngine.delay, StreamingEngine.generated = 0.0, []
+    resumed = pl.read_parquet(generate_shard(plan, 0))
+    assert len(StreamingEngine.generated) == 8 - kept                       # only what no chunk held
+    assert json.loads(plan.stats_path("generate", 0).read_text())["resumed_requests"] == kept
+    clean = pl.read_parquet(generate_shard(_plan_of(ckpt, results.parent / "clean", n=2, temperature=0.7), 0))
+    assert resumed.height == 16 and resumed.select("sample_id", "sample_index").is_unique().all()
+    assert resumed.drop("latency_s", "batch_size").equals(clean.drop("latency_s", "batch_size"))
+
+
+def test_an_engine_failure_keeps_the_requests_that_finished_before_it(streaming):
+    """A failure the process survives (the engine raising, a retried task) writes what finished before it."""
+    import polars as pl
+
+    ckpt, _, results = streaming
+    StreamingEngine.crash_after = 5
+    plan = _plan_of(ckpt, results)
+    with pytest.raises(ConnectionError):
+        generate_shard(plan, 0)
+    assert sum(_chunk_rows(plan)) == 5
+    StreamingEngine.crash_after, StreamingEngine.generated = None, []
+    assert pl.read_parquet(generate_shard(plan, 0)).height == 8 and len(StreamingEngine.generated) == 3
+
+
+def test_sampled_rows_do_not_depend_on_chunking_or_sharding(streaming, monkeypatch):
+    """A request's seed derives from (evaluation seed, sample id) alone: the same rows whether written one request
+    per chunk or all in one, and whether the problem is in shard 0 of 1 or shard 1 of 2."""
+    import polars as pl
+
+    ckpt, _, results = streaming
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "1")
+    one = pl.read_parquet(generate_shard(_plan_of(ckpt, results / "a", n=2, temperature=0.7), 0))
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "64")
+    many = pl.read_parquet(generate_shard(_plan_of(ckpt, results / "b", n=2, temperature=0.7), 0))
+    assert one.drop("latency_s").equals(many.drop("latency_s"))
+    assert one["completion"].n_unique() == one.height                     # every (sample, sample_index) its own
+    two = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=2,
+                              sampling={"n": 2, "temperature": 0.7}), results / "c")
+    second = pl.read_parquet(generate_shard(two, 1))
+    keys = ["sample_id", "sample_index", "completion"]
+    assert second.height == 8 and second.select(keys).join(one.select(keys), on=keys, how="anti").height == 0
+
+
+def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, monkeypatch):
+    """Progress moves as each request finishes and carries the tokens of the running ones, long before the last
+    (longest) request of the shard finishes; throttled to PROGRESS_S; the last report is exact."""
+    from evaldag import stages
+
+    ckpt, _, results = streaming
+    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    plan = _plan_of(ckpt, results)
+    heard = []
+    StreamingEngine.on_finish = lambda r: heard.append(("finish", r.key))
+    generate_shard(plan, 0, lambda *a: heard.append(a))
+    before_last = heard[:heard.index(("finish", StreamingEngine.generated[-1]))]
+    reports = [h for h in before_last if h[0] != "finish"]
+    assert reports[0] == (0, 8, 0)
+    assert reports[1] == (0, 8, 56)                         # tokens of 8 running requests, none finished yet
+    assert max(done for done, _, _ in reports) == 7         # every earlier request counted as it finished
+    tokens = [t for _, _, t in reports]
+    assert tokens == sorted(tokens)                         # never backwards
+    assert heard[-1] == (8, 8, 80)                          # 8 requests x 10 tokens, nothing running
+
+    monkeypatch.setattr(stages, "PROGRESS_S", 3600.0, raising=False)
+    heard.clear()
+    StreamingEngine.on_finish = None
+    generate_shard(_plan_of(ckpt, results / "again"), 0, lambda *a: heard.append(a))
+    assert heard == [(0, 8, 0), (8, 8, 80)]                 # throttled: only the first and the last

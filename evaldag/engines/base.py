@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from collections.abc import Iterator
 from typing import Callable, Protocol
 
 from evaldag.config import SamplingConfig
@@ -19,8 +20,38 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int      # up to and including the end-of-sequence token
     finish_reason: str          # "stop" or "length"
-    latency_s: float            # wall time of the batch that produced it
-    batch_size: int             # prompts in that batch
+    latency_s: float            # wall time of its own request (vLLM, a server); of its batch (transformers)
+    batch_size: int             # prompts in its batch; requests generated together (Engine.generate_requests)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One prompt to generate `sampling.n` completions for, under a seed of its own (`request_seed`), so that its
+    completions depend neither on its batch nor on what else runs beside it or what was resumed."""
+
+    key: Hashable               # the caller's name for it, handed back in Finished
+    prompt: str
+    seed: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request whose `sampling.n` completions are all done (in sample order)."""
+
+    key: Hashable
+    completions: list[Completion]
+
+
+@dataclass(frozen=True)
+class Running:
+    """Tokens generated so far by the requests still running (not yet Finished), as the engine reports them (None
+    where it cannot say); an engine yields one every few seconds while requests run, so its consumer also hears
+    the time pass while none finishes."""
+
+    tokens: int | None
+
+
+Event = Finished | Running          # what Engine.generate_requests yields
 
 
 # progress callback: (prompts done, prompts total, tokens generated so far, seconds so far)
@@ -53,11 +84,25 @@ class Engine(Protocol):
     def generate(self, prompts: list[str], sampling: SamplingConfig,
                  progress: Progress | None = None) -> list[list[Completion]]: ...
 
+    # An engine that batches continuously (vLLM) also offers
+    #   generate_requests(requests: list[Request], sampling) -> Iterator[Event]
+    # every request in the engine at once, a Finished as each one finishes and a Running now and then, and
+    # evaldag.stages then writes and reports per request instead of per batch. It stays out of the protocol: a
+    # static-batch engine has nothing finer than its batch to report.
+
     def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
         """Per-token log-probabilities (temperature 1) of each completion's ids after its prompt."""
         ...
 
     def close(self) -> None: ...
+
+
+def request_seed(seed: int, sample_id: str) -> int:
+    """The sampler seed of one problem's request: a hash of (evaluation seed, sample id), so it does not depend on
+    the batch, shard or chunk the request falls in, and nearby seeds give unrelated streams. vLLM gives the k-th of
+    the request's n samples a seed of its own derived from it, so each (sample_id, sample_index) is seeded alone."""
+    digest = hashlib.sha256(f"{seed}:request:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1      # vLLM wants a non-negative int64
 
 
 def chat_text(tokenizer, prompt: str) -> str:

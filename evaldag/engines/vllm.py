@@ -6,11 +6,18 @@ setup` installs the one that fits the host). Choices, and why:
 - Prompts are chat-formatted and tokenized by the checkpoint's own Hugging Face tokenizer, exactly as in the
   transformers engine, and handed to vLLM as token ids: both engines see the same ids (no second BOS, no template
   drift between vLLM's renderer and transformers), so their outputs and log-probs are comparable.
-- Batches are kept although vLLM batches continuously inside a call: evaldag writes one parquet chunk per batch so a
-  killed shard resumes from its last chunk, and batch composition is part of the generation key. Within a batch vLLM
-  schedules freely; one `generate` call per batch costs a little throughput at batch boundaries only.
-- Each prompt gets its own sampling seed derived from (sampling.seed, batch index, position in the batch): vLLM then
-  samples it with a private generator, so a re-run batch repeats itself and the n samples of a prompt differ.
+- A shard's requests all go into the engine at once and come back one by one as each finishes
+  (`generate_requests`): vLLM's continuous batching runs over the whole shard, and evaldag.stages writes finished
+  requests in chunks and reports progress per request. Batching by length (plan_batches) is waited on only by
+  `generate_batches` / `generate`, which yield or return whole batches.
+- Each request gets its own sampling seed: in a shard, derived from (sampling.seed, sample id)
+  (evaldag.engines.base.request_seed); through generate_batch(es), from (sampling.seed, batch index, position in
+  the batch). vLLM then samples it with a private generator, so a re-run request repeats itself, whatever runs
+  beside it, and the n samples of a prompt differ.
+- A completion's latency_s is its own request's: from the step in which it produced its first token to the step
+  that finished it. That start, and the running requests' token counts reported while they run, are read from
+  vLLM's output processor (an internal API; where it is missing, latency counts from submission and no running
+  counts are reported).
 - Loaded for a Workload (what the shard will ask, see evaldag.engines.workload; `fit_to_workload`): the context
   window fitted to the longest sequence, and on CPU the KV cache fitted to the sequences (at most 2 GiB) and n-gram
   speculation for a greedy shard. None of it changes a completion; what the user set in engine_args wins.
@@ -29,10 +36,11 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, Progress, batches_by_length, chat_text, generate_in_batches
+from evaldag.engines.base import (Completion, Event, Finished, Progress, Request, Running, batches_by_length,
+                                  chat_text, generate_in_batches)
 from evaldag.engines.context import PromptFit
 from evaldag.engines.workload import Workload
 from evaldag.errors import ConfigError, MissingDependencyError
@@ -271,38 +279,64 @@ class VLLMEngine:
 
     def generate_batches(self, batches: list[tuple[int, list[str]]],
                          sampling: SamplingConfig) -> Iterator[tuple[int, list[list[Completion]]]]:
-        """Every batch's requests go into the engine at once, so its scheduler stays full across batch boundaries
-        (waiting for each batch's longest sequence cost about a third of the throughput on MATH-500); a batch is
-        yielded as soon as its last request finishes. Seeds are per (batch index, position), as in generate_batch,
-        so the completions do not depend on which batches run together. Closing the iterator early (a failure
-        between batches) aborts the requests still in the engine."""
+        """Every batch's requests go into the engine at once (generate_requests), so its scheduler stays full across
+        batch boundaries; a batch is yielded as soon as its last request finishes. Seeds are per (batch index,
+        position), as in generate_batch, so the completions do not depend on which batches run together. Closing
+        the iterator early (a failure between batches) aborts the requests still in the engine."""
+        requests = [Request((b, k), prompt, sample_seed(sampling.seed, b, k))
+                    for b, prompts in batches for k, prompt in enumerate(prompts)]
+        sizes = {b: len(prompts) for b, prompts in batches}
+        finished: dict[int, dict[int, list[Completion]]] = {b: {} for b in sizes}
+        with contextlib.closing(self.generate_requests(requests, sampling)) as events:
+            for event in events:
+                if not isinstance(event, Finished):
+                    continue
+                b, k = event.key
+                finished[b][k] = [replace(c, batch_size=sizes[b]) for c in event.completions]
+                if len(finished[b]) == sizes[b]:
+                    done = finished.pop(b)
+                    yield b, [done[k] for k in range(sizes[b])]
+
+    def generate_requests(self, requests: list[Request], sampling: SamplingConfig,
+                          report_s: float = 2.0) -> Iterator[Event]:
+        """Every request into the engine at once (continuous batching over all of them); yields a Finished as each
+        request finishes, and every `report_s` seconds at most a Running with the tokens the unfinished requests
+        have generated so far (None where vLLM does not say). A completion's latency_s is its own request's: from the engine step in which it
+        produced its first token (its prefill included) to the step that finished it, not its time in the queue.
+        Closing the iterator early aborts the requests still in the engine, so an engine kept loaded for a retry
+        starts it empty."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
-        waiting: dict[str, tuple[int, int]] = {}         # request id -> (batch index, position in the batch)
-        batch_ids: dict[int, list[list[int]]] = {}
-        finished: dict[int, dict[int, object]] = {}
-        start = time.perf_counter()
+        ids = self._prompt_ids([r.prompt for r in requests]) if requests else []
+        waiting: dict[str, int] = {}            # vLLM request id -> index into requests
         try:
-            for b, prompts in batches:
-                batch_ids[b], finished[b] = self._prompt_ids(prompts), {}
-                for k, ids in enumerate(batch_ids[b]):
-                    params = self._sampling_params(sampling, sample_seed(sampling.seed, b, k))
-                    params.output_kind = RequestOutputKind.FINAL_ONLY
-                    self._requests += 1
-                    rid = f"evaldag-{self._requests}"
-                    engine.add_request(rid, TokensPrompt(prompt_token_ids=ids), params)
-                    waiting[rid] = (b, k)
+            for i, (request, prompt_ids) in enumerate(zip(requests, ids)):
+                params = self._sampling_params(sampling, request.seed)
+                params.output_kind = RequestOutputKind.FINAL_ONLY
+                self._requests += 1
+                rid = f"evaldag-{self._requests}"
+                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), params)
+                waiting[rid] = i
+            submitted = time.perf_counter()
+            started: dict[str, float] = {}      # request id -> start of the step that gave its first token
+            last_report = submitted
             while waiting and engine.has_unfinished_requests():
-                for out in engine.step():
+                step_start = time.perf_counter()
+                outputs = engine.step()
+                if len(started) < len(waiting):
+                    _note_started(engine, waiting, started, step_start)
+                for out in outputs:
                     if not out.finished or out.request_id not in waiting:
                         continue
-                    b, k = waiting.pop(out.request_id)
-                    finished[b][k] = out
-                    if len(finished[b]) == len(batch_ids[b]):
-                        latency, ids, outs = time.perf_counter() - start, batch_ids.pop(b), finished.pop(b)
-                        yield b, [self._completions(ids[k], outs[k], latency, len(ids)) for k in range(len(ids))]
+                    i = waiting.pop(out.request_id)
+                    latency = time.perf_counter() - started.pop(out.request_id, submitted)
+                    yield Finished(requests[i].key,
+                                   self._completions(ids[i], out, latency, len(requests)))
+                if waiting and time.perf_counter() - last_report >= report_s:
+                    last_report = time.perf_counter()
+                    yield Running(_running_tokens(engine))
             if waiting:
                 raise RuntimeError(f"vLLM stopped with {len(waiting)} requests unfinished")
         finally:
@@ -447,6 +481,34 @@ def _modules_hidden_from_vllm_scan() -> Iterator[None]:
     finally:
         for name, module in hidden.items():
             sys.modules.setdefault(name, module)
+
+
+def _request_states(engine) -> list:
+    """vLLM's per-request state (one per sequence: an n-sample request has n), or [] where this vLLM keeps it
+    elsewhere. Internal API (vllm.v1.engine.output_processor), read only: live token counts and start times are
+    not in the public step() output for FINAL_ONLY requests, and asking for DELTA outputs instead would build a
+    RequestOutput per running request per step."""
+    states = getattr(getattr(engine, "output_processor", None), "request_states", None)
+    return list(states.values()) if isinstance(states, dict) else []
+
+
+def _running_tokens(engine) -> int | None:
+    """Tokens generated so far by the unfinished requests, or None where vLLM does not expose them."""
+    states = _request_states(engine)
+    try:
+        return sum(s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None) if states \
+            else None
+    except AttributeError:
+        return None
+
+
+def _note_started(engine, waiting: dict[str, int], started: dict[str, float], step_start: float) -> None:
+    """Record `step_start` for every waiting request that has left its prefill (produced a token) since the last
+    step; a request whose state cannot be read keeps no start (its latency then counts from submission)."""
+    for state in _request_states(engine):
+        rid = getattr(state, "external_req_id", None) or getattr(state, "request_id", None)
+        if rid in waiting and rid not in started and not getattr(state, "is_prefilling", True):
+            started[rid] = step_start
 
 
 def _descendants() -> list:

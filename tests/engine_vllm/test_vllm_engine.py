@@ -191,6 +191,30 @@ def test_closing_the_stream_early_aborts_what_is_left(engine):
     assert len(engine.generate_batch(PROMPTS[:2], SamplingConfig(max_new_tokens=8), 0)) == 2
 
 
+def test_requests_stream_one_by_one_with_their_own_latency(engine):
+    """All requests go in at once and each comes back as it finishes: a short answer long before the long essay,
+    running token counts while the essay still runs, and each completion's latency its own request's."""
+    import time
+
+    from evaldag.engines.base import Finished, Request, Running
+
+    sampling = SamplingConfig(max_new_tokens=160)
+    requests = [Request("essay", PROMPTS[1], 1), Request("ok", "Say OK.", 2), Request("capital", PROMPTS[4], 3)]
+    t0, events = time.perf_counter(), []
+    for event in engine.generate_requests(requests, sampling, report_s=0.2):
+        events.append((time.perf_counter() - t0, event))
+    finished = {e.key: (t, e.completions[0]) for t, e in events if isinstance(e, Finished)}
+    assert sorted(finished) == ["capital", "essay", "ok"] and not engine.llm.llm_engine.has_unfinished_requests()
+    essay_t, essay = finished["essay"]
+    ok_t, ok = finished["ok"]
+    assert essay.finish_reason == "length" and ok.finish_reason == "stop"
+    assert ok.completion_tokens < essay.completion_tokens / 4, (ok, essay)
+    assert ok_t < essay_t - 1, events                              # not held back until the longest finishes
+    assert any(isinstance(e, Running) and e.tokens and t < essay_t for t, e in events), events
+    # a batch's latency would be the same for both; each request's own is shorter for the shorter answer
+    assert ok.latency_s < 0.75 * essay.latency_s and essay.latency_s <= essay_t, (ok.latency_s, essay.latency_s)
+
+
 def test_sampling_params_are_exactly_the_configured_distribution():
     """Temperature and top_p as configured; no top-k, min-p, penalty or minimum length from anywhere else (checked
     without starting vLLM: only the request parameters)."""

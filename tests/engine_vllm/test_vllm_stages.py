@@ -80,3 +80,38 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     assert (gens["completion_tokens"] <= 32).all() and (gens["completion_tokens"] > 0).all()
     graded = read_table(grade_shard(plan, 0, workers=1), GRADED_SCHEMA)
     assert graded.height == 4
+
+
+def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypatch):
+    """The stage on the real engine, all requests in vLLM at once: progress carries the tokens of running requests
+    within seconds of the start and counts requests as they finish, long before the shard's longest request ends;
+    rows are written in chunks while it runs; each completion's latency is its own request's."""
+    import time
+
+    from evaldag.plan import EvalRequest, resolve
+    from evaldag.schema import GENERATION_SCHEMA, read_table
+    from evaldag.stages import generate_shard
+
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
+    plan = resolve(EvalRequest(benchmark="gsm8k", limit=6, num_shards=1, sampling={"max_new_tokens": 192},
+                               engine="vllm"), tmp_path / "results")
+    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    heard = []                  # (seconds, problems done, total, tokens, chunk files on disk)
+
+    def progress(done, total, tokens):
+        heard.append((time.perf_counter(), done, total, tokens, len(list(chunks.glob("*.parquet")))))
+
+    gens = read_table(generate_shard(plan, 0, progress), GENERATION_SCHEMA)
+    start = heard[0][0]
+    print("progress:", [(round(t - start, 1), d, n, tok, c) for t, d, n, tok, c in heard])
+    assert heard[0][1:4] == (0, 6, 0) and heard[-1][1:3] == (6, 6)
+    first_tokens = next(t for t, _, _, tok, _ in heard if tok > 0)
+    print(f"first progress update with tokens: {first_tokens - start:.1f} s after generation started; "
+          f"generation {heard[-1][0] - start:.1f} s")
+    assert first_tokens - start < 30
+    # tokens while requests run, and requests counted and written before the last one finished
+    assert any(0 < tok and done < 6 for _, done, _, tok, _ in heard[:-1]), heard
+    assert any(0 < done < 6 and files for _, done, _, _, files in heard[:-1]), heard
+    # each completion's latency is its own: short answers took less than the longest, which took less than it all
+    latency = gens["latency_s"].to_list()
+    assert min(latency) < 0.8 * max(latency) and max(latency) <= heard[-1][0] - start + 1, latency
