@@ -286,15 +286,21 @@ def run(
     limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N problems")] = None,
     num_shards: Annotated[Optional[int], typer.Option(help="shard flow runs (default from the benchmark)")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="override the benchmark's token cap")] = None,
+    train_run: Annotated[Optional[str], typer.Option(help="training job (default: the checkpoint's parent "
+                                                     "folder)")] = None,
+    baseline: Annotated[Optional[str], typer.Option(help="also give a paired verdict against this evaluation: a "
+                                                    "run id, checkpoint path, model name or JOB@STEP")] = None,
 ) -> None:
-    """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result."""
+    """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result
+    and the paired verdicts against the job's previous and best checkpoints (and --baseline)."""
     from evaldag import runner
     from evaldag.stack import Stack
 
     stack = Stack()
     sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
-                                    sampling=sampling).items() if v is not None}
+                                    sampling=sampling, train_run=train_run, baseline=baseline).items()
+              if v is not None}
     runner.run_and_report(stack, benchmark, params)
 
 

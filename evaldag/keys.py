@@ -24,6 +24,8 @@ NOT_RESULT_SETTINGS: dict[str, str] = {
     "request.mlflow_parent_run_id": "where the training job's curves are logged; nothing is computed differently",
     "request.dispatch": "shards as flow runs on the gpu pool or inline in the parent: the same stages on the same "
                         "plan",
+    "request.baseline": "which evaluation this one's paired verdict is computed against, after the results exist; "
+                        "no stage reads it",
     # ---- the benchmark config
     "benchmark.description": "free text for people; no stage reads it",
     # ---- vLLM engine_args that size memory and scheduling. vLLM schedules the sequences of one batch freely

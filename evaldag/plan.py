@@ -56,6 +56,11 @@ class EvalRequest(BaseModel):
                                   description="training job the checkpoint belongs to; default: its parent folder")
     mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN,
                                              description="the training job's MLflow run, when the trainer made one")
+    # Not part of any key (evaldag.keys.NOT_RESULT_SETTINGS): whom the result is compared with, not the result.
+    baseline: str | None = Field(None, min_length=1, max_length=1000,
+                                 description="also compare with this evaluation (paired verdict): a run id, "
+                                             "checkpoint path, model name or JOB@STEP, as `evaldag compare "
+                                             "--baseline`")
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":

@@ -95,6 +95,18 @@ def provenance(flow_run_id: str, logged_by: str | None, computed: dict | None, l
     return lines
 
 
+def verdict_lines(tags: dict[str, str], metrics: dict[str, float]) -> list[str]:
+    """What `evaldag run` prints after the metrics about the run's paired verdicts (logged at track time): one line
+    each against the job's previous and best checkpoints and the baseline, or why there are none."""
+    from evaldag.verdicts import logged_verdict_lines
+
+    lines = logged_verdict_lines(tags, metrics)
+    if not lines:
+        return [("paired verdicts: none logged (no earlier checkpoint of this job evaluated alike and no baseline, "
+                 "or they could not be computed: see the track task's log)")]
+    return ["paired verdicts (accuracy difference [interval], sign-flip p-value):"] + [f"  {x}" for x in lines]
+
+
 def _interrupted(console, fr, url: str, ask: bool) -> None:
     """Ctrl-C while following: cancel the flow run (and its shard flow runs) or leave it running, as asked.
 
@@ -164,6 +176,8 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
         if key in m:
             table.add_row(key, fmt.format(m[key]))
     console.print(table)
+    for line in verdict_lines(run.data.tags, run.data.metrics):
+        console.print(line)
     console.print(f"completed in {wall_s:.0f} s")
     console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
     console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"

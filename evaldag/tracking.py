@@ -251,6 +251,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
         diags = _log_diagnostics(writing, exp_id, plan, metrics)
         _log_to_parent_run(writing, plan, metrics)
+        _log_verdicts(writing, exp_id, plan)
         _log_artifacts(writing, plan)
     if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
         raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
@@ -406,6 +407,33 @@ def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict) -> None:
     series = ".".join(filter(None, (plan.benchmark.name, series_label(plan))))
     w.client.log_batch(parent, metrics=[Metric(mlflow_key(f"{series}/{k}"), float(metrics[k]), w.now_ms, w.step)
                                         for k in HEADLINE if k in metrics])
+    w.heartbeat()
+
+
+def _log_verdicts(w: _Writing, exp_id: str, plan: EvalPlan) -> None:
+    """Paired verdicts of this evaluation against the job's previous and best-so-far evaluations with the same
+    comparison key, and the request's baseline (evaldag.verdicts.job_verdicts), as tags `verdict.vs_*` and metrics.
+
+    Best effort: the verdicts describe the run, they are not its results, so a failure (a bad margin setting, an
+    MLflow hiccup while searching or downloading the earlier samples, an earlier run without samples) is logged as
+    a warning and leaves the verdict tags out; the evaluation is still tracked and finished."""
+    from evaldag import verdicts
+
+    try:
+        margin, alpha = verdicts.verdict_settings()
+        with store.local_copy(plan.path("samples.parquet")) as local:
+            samples = pl.read_parquet(local, columns=["sample_id", "correct"])
+        found = verdicts.job_verdicts(
+            w.client, exp_id, run_id=w.run_id, benchmark=plan.benchmark.name, train_run=plan.train_run,
+            comparison=comparison_key(plan), step=w.step, samples=samples, margin=margin, alpha=alpha,
+            baseline=plan.request.baseline)
+        if found:
+            verdicts.log_verdicts(w.client, w.run_id, {name: v for name, (v, _) in found.items()}, w.step,
+                                  others={name: other for name, (_, other) in found.items()})
+    except Exception as e:  # noqa: BLE001 - whatever went wrong, tracking the evaluation must not fail for it
+        log.warning("no paired verdicts for MLflow run %s (%s@%s on %s): %s: %s", w.run_id, plan.train_run, w.step,
+                    plan.benchmark.name, type(e).__name__, e)
+        return
     w.heartbeat()
 
 

@@ -24,14 +24,18 @@ samples of one problem are not independent observations of the checkpoint's skil
 
 `pair_job_evaluations` applies this to every evaluation of each training job against the previous checkpoint, the
 best checkpoint so far (by accuracy) and an optional named baseline; `evaldag compare --verdicts` prints it.
-`log_verdicts` writes a run's verdicts as MLflow tags and metrics (the flows do not call it yet).
+`job_verdicts` does the same for one evaluation as it is tracked (evaldag.tracking calls it once the run's metrics
+are logged), and `log_verdicts` writes the result as MLflow tags and metrics; `logged_verdict_lines` reads them back
+for `evaldag run`. The margin and level of those come from EVALDAG_VERDICT_MARGIN and EVALDAG_VERDICT_ALPHA.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -42,6 +46,10 @@ VERDICTS = ("better", "worse", "equivalent", "undecided")
 # MATH-500 at n = 64 is 2 x 500 x 64 = 64,000.
 _MAX_GRID_CELLS = 5_000_000
 _MC_DRAWS = 100_000
+# The evaluations a tracked run is compared with, in the order they are logged and printed.
+REFERENCES = ("previous", "best", "baseline")
+MARGIN_ENV, ALPHA_ENV = "EVALDAG_VERDICT_MARGIN", "EVALDAG_VERDICT_ALPHA"
+DEFAULT_MARGIN, DEFAULT_ALPHA = 0.02, 0.05
 
 
 @dataclass(frozen=True)
@@ -301,9 +309,11 @@ def render(df: pl.DataFrame):
     return table
 
 
-def log_verdicts(client, run_id: str, verdicts: dict[str, PairedVerdict], step: int = 0) -> None:
+def log_verdicts(client, run_id: str, verdicts: dict[str, PairedVerdict], step: int = 0,
+                 others: Mapping[str, str] | None = None) -> None:
     """Write a run's verdicts to MLflow: tag `verdict.vs_<name>` (better/worse/equivalent/undecided) and metrics
-    `verdict.vs_<name>.diff|.ci_low|.ci_high|.p_value` at `step` for each `name` (best, previous, baseline...)."""
+    `verdict.vs_<name>.diff|.ci_low|.ci_high|.p_value|.n_problems` at `step` for each `name` (best, previous,
+    baseline...); with `others`, the tag `verdict.vs_<name>.other` names the evaluation compared with (JOB@STEP)."""
     from mlflow.entities import Metric, RunTag
 
     now = int(time.time() * 1000)
@@ -311,24 +321,142 @@ def log_verdicts(client, run_id: str, verdicts: dict[str, PairedVerdict], step: 
     for name, v in verdicts.items():
         prefix = f"verdict.vs_{name}"
         tags.append(RunTag(prefix, v.verdict))
-        for field in ("diff", "ci_low", "ci_high", "p_value"):
+        if others and name in others:
+            tags.append(RunTag(f"{prefix}.other", others[name]))
+        for field in ("diff", "ci_low", "ci_high", "p_value", "n_problems"):
             value = getattr(v, field)
             if not math.isnan(value):
                 metrics.append(Metric(f"{prefix}.{field}", float(value), now, step))
     client.log_batch(run_id, metrics=metrics, tags=tags)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Verdicts of one evaluation at track time
+# --------------------------------------------------------------------------------------------------------------
+
+def verdict_settings(environ: Mapping[str, str] | None = None) -> tuple[float, float]:
+    """(margin, alpha) of the verdicts logged at track time: EVALDAG_VERDICT_MARGIN (default 0.02, an accuracy
+    difference: 2 points) and EVALDAG_VERDICT_ALPHA (default 0.05). Raises ValueError naming a bad value."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name, default in ((MARGIN_ENV, DEFAULT_MARGIN), (ALPHA_ENV, DEFAULT_ALPHA)):
+        raw = env.get(name, "").strip()
+        try:
+            out.append(float(raw) if raw else default)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
+    margin, alpha = out
+    if not (0 <= margin < 1 and 0 < alpha < 1):
+        raise ValueError(f"{MARGIN_ENV} must lie in [0, 1) and {ALPHA_ENV} in (0, 1); got {margin} and {alpha}")
+    return margin, alpha
+
+
+def earlier_evaluations(client, experiment_id: str, train_run: str, comparison: str, step: int) -> list[dict]:
+    """The job's finished evaluations with comparison key `comparison` at steps before `step`, oldest step first:
+    run_id, step, accuracy (the logged metric), label (JOB@STEP). The latest run per step: a re-evaluation
+    supersedes, as in `evaluations`."""
+    from evaldag.tracking import COMPARISON_TAG
+
+    runs = client.search_runs([experiment_id], filter_string=(
+        f"tags.train_run = '{train_run}' and tags.`{COMPARISON_TAG}` = '{comparison}' and tags.kind = 'ckpt_eval' "
+        "and attributes.status = 'FINISHED'"), order_by=["attributes.start_time DESC"], max_results=5000)
+    by_step: dict[int, dict] = {}
+    for r in runs:
+        their_step = int(r.data.tags.get("step", "0") or 0)
+        if their_step < step and their_step not in by_step and "accuracy" in r.data.metrics:
+            by_step[their_step] = {"run_id": r.info.run_id, "step": their_step,
+                                   "accuracy": float(r.data.metrics["accuracy"]), "label": f"{train_run}@{their_step}"}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def references(earlier: list[dict]) -> dict[str, dict]:
+    """The previous evaluation (highest earlier step) and the best so far (highest accuracy; a tie goes to the
+    earlier checkpoint, the first to reach it, as in `pair_job_evaluations`) among `earlier` (oldest first)."""
+    if not earlier:
+        return {}
+    return {"previous": earlier[-1], "best": max(earlier, key=lambda e: (e["accuracy"], -e["step"]))}
+
+
+def download_samples(client, run_id: str) -> pl.DataFrame:
+    """sample_id and correct of a run's samples/samples.parquet artifact, through `client`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        local = client.download_artifacts(run_id, "samples/samples.parquet", tmp)
+        return pl.read_parquet(local, columns=["sample_id", "correct"])
+
+
+def job_verdicts(client, experiment_id: str, *, run_id: str, benchmark: str, train_run: str, comparison: str,
+                 step: int, samples: pl.DataFrame, margin: float = DEFAULT_MARGIN, alpha: float = DEFAULT_ALPHA,
+                 baseline: str | None = None, load: Callable[[str], pl.DataFrame] | None = None
+                 ) -> dict[str, tuple[PairedVerdict, str]]:
+    """This evaluation (`samples`, its per-sample table) against the job's previous and best-so-far evaluations
+    with the same comparison key (earlier = smaller step) and, given `baseline` (a run id, checkpoint path, model
+    name or JOB@STEP, as `evaldag compare --baseline`), that evaluation with the same benchmark and comparison key.
+    Returns {name: (verdict, JOB@STEP compared with)}; an empty dict when there is nothing to compare with.
+    `load(run_id)` gives another run's per-sample table (default: its artifact through `client`)."""
+    load = load or (lambda other: download_samples(client, other))
+    others = references(earlier_evaluations(client, experiment_id, train_run, comparison, step))
+    if baseline:
+        runs = evaluations([benchmark], client=client)
+        base = _find_baseline(runs, baseline, benchmark, comparison)
+        if base is not None and base["run_id"] != run_id:
+            others["baseline"] = {"run_id": base["run_id"], "label": f"{base['train_run']}@{base['step']}"}
+    mine = per_problem_scores(samples)
+    cache: dict[str, pl.DataFrame] = {}
+    out = {}
+    for name in REFERENCES:
+        if name not in others:
+            continue
+        other = others[name]
+        if other["run_id"] not in cache:   # previous and best are often the same run: one download
+            cache[other["run_id"]] = per_problem_scores(load(other["run_id"]))
+        out[name] = (compare_scores(mine, cache[other["run_id"]], margin, alpha), other["label"])
+    return out
+
+
+def logged_verdict_lines(tags: Mapping[str, str], metrics: Mapping[str, float]) -> list[str]:
+    """One line per verdict logged on a run (`log_verdicts`), for `evaldag run`: whom it was compared with, the
+    difference in accuracy points with its interval, the p-value and the number of common problems."""
+    lines = []
+    for name in REFERENCES:
+        verdict = tags.get(f"verdict.vs_{name}")
+        if verdict is None:
+            continue
+        prefix = f"verdict.vs_{name}"
+        diff = metrics.get(f"{prefix}.diff")
+        text = f"vs {name}"
+        if tags.get(f"{prefix}.other"):
+            text += f" ({tags[f'{prefix}.other']})"
+        text += f": {verdict}"
+        if diff is not None:
+            text += f", {diff * 100:+.1f} points"
+            if f"{prefix}.ci_low" in metrics and f"{prefix}.ci_high" in metrics:
+                text += f" [{metrics[f'{prefix}.ci_low'] * 100:+.1f}, {metrics[f'{prefix}.ci_high'] * 100:+.1f}]"
+        if f"{prefix}.p_value" in metrics:
+            text += f", p = {metrics[f'{prefix}.p_value']:.3g}"
+        if f"{prefix}.n_problems" in metrics:
+            text += f", {int(metrics[f'{prefix}.n_problems'])} common problems"
+        lines.append(text)
+    return lines
+
+
 __all__ = [
+    "REFERENCES",
     "VERDICTS",
     "PairedVerdict",
     "compare_scores",
+    "download_samples",
+    "earlier_evaluations",
     "evaluations",
+    "job_verdicts",
     "log_verdicts",
+    "logged_verdict_lines",
     "pair_job_evaluations",
     "paired_differences",
     "paired_test",
     "per_problem_scores",
+    "references",
     "render",
     "sign_flip_p_value",
     "verdict_from_interval",
+    "verdict_settings",
 ]

@@ -45,3 +45,22 @@ def test_a_recomputation_says_whose_figures_are_whose_and_warns_on_other_results
     assert line.startswith("recomputed by this flow run (0% of its stages reused)") and "flow run fr-1" in line
     lines = provenance("fr-2", "fr-1", {**computed, "accuracy": 0.2}, LOGGED)
     assert lines[1:] == ["warning: accuracy differs from the logged run: 0.2 here, 0.25 logged"]
+
+
+def test_evaldag_run_prints_the_logged_verdicts_after_the_metrics():
+    """The verdicts track() logged (tags verdict.vs_*, metrics verdict.vs_*.diff|ci_low|ci_high|p_value|n_problems)
+    become one line each, previous / best / baseline in that order; a run without them says so."""
+    from evaldag.runner import verdict_lines
+
+    tags = {"verdict.vs_best": "equivalent", "verdict.vs_best.other": "job@2",
+            "verdict.vs_previous": "better", "verdict.vs_previous.other": "job@1", "train_run": "job"}
+    metrics = {"verdict.vs_previous.diff": 0.3, "verdict.vs_previous.ci_low": 0.21,
+               "verdict.vs_previous.ci_high": 0.39, "verdict.vs_previous.p_value": 1.86e-9,
+               "verdict.vs_previous.n_problems": 100.0, "verdict.vs_best.diff": 0.0, "verdict.vs_best.ci_low": 0.0,
+               "verdict.vs_best.ci_high": 0.0, "verdict.vs_best.p_value": 1.0, "verdict.vs_best.n_problems": 100.0}
+    assert verdict_lines(tags, metrics) == [
+        "paired verdicts (accuracy difference [interval], sign-flip p-value):",
+        "  vs previous (job@1): better, +30.0 points [+21.0, +39.0], p = 1.86e-09, 100 common problems",
+        "  vs best (job@2): equivalent, +0.0 points [+0.0, +0.0], p = 1, 100 common problems"]
+    [none] = verdict_lines({"train_run": "job"}, {"accuracy": 0.5})
+    assert none.startswith("paired verdicts: none logged")

@@ -366,3 +366,130 @@ def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, 
     [run] = _runs(plan.eval_key)
     assert synced.run_id == run.info.run_id                     # the dead writer's run, finished: no second one
     assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"] == "flow-run-A"
+
+
+# ---- paired verdicts at track time (evaldag.verdicts.job_verdicts, logged by track)
+
+def _verdict_plan(tmp_path: Path, step: int, train_run: str, solved: int, limit: int = 100, **request):
+    """A finished MATH-500 evaluation of `limit` problems (n = 1) whose first `solved` problems (in id order) are
+    correct: a higher `solved` solves a superset of a lower one's problems. Returns the plan and its metrics."""
+    from evaldag.plan import EvalRequest, resolve
+
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / train_run / f"checkpoint-{step}")
+    plan = resolve(EvalRequest(benchmark="math500", checkpoint=str(ckpt), step=step, limit=limit, num_shards=1,
+                               train_run=train_run, **request), tmp_path / "results")
+    ids = sorted(s for shard in plan.shards for s in shard)
+    assert len(ids) == limit
+    correct = [i < solved for i in range(limit)]
+    pl.DataFrame({"sample_id": ids, "sample_index": 0, "correct": correct}).write_parquet(plan.path("samples.parquet"))
+    metrics = _metrics(solved / limit, solved / limit)
+    plan.path("metrics.json").write_text(json.dumps(metrics))
+    return plan, metrics
+
+
+def _logged(run_id: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient().get_run(run_id).data
+
+
+def _verdict_tags(data) -> dict[str, str]:
+    return {k: v for k, v in data.tags.items() if k.startswith("verdict.")}
+
+
+def test_each_evaluation_is_paired_with_the_jobs_previous_best_and_baseline(mlflow_server, configs, tmp_path):
+    """Steps 1 and 2 of one job on the same 100 problems, step 2 solving 30 more: step 2's run says `better` than
+    the previous (and best) checkpoint, with the difference, its interval and p-value as metrics. Step 3 with the
+    very same samples is `equivalent` (d = 0 on every problem: the interval [0, 0] lies inside the margin). A quick
+    slice (another comparison key) is paired with nothing, nor is anything paired with it; a baseline named in the
+    request is compared too."""
+    from evaldag.series import comparison_key
+    from evaldag.tracking import track
+
+    job = "verdict-run"
+    plan1, m1 = _verdict_plan(tmp_path, 1, job, solved=40)
+    first = track(plan1, m1, flow_run_id="fr-1")
+    assert _verdict_tags(_logged(first.run_id)) == {}                 # nothing before the first checkpoint
+
+    plan2, m2 = _verdict_plan(tmp_path, 2, job, solved=70)
+    second = _logged(track(plan2, m2, flow_run_id="fr-2").run_id)
+    assert second.tags["verdict.vs_previous"] == "better" and second.tags["verdict.vs_best"] == "better"
+    assert second.tags["verdict.vs_previous.other"] == f"{job}@1" == second.tags["verdict.vs_best.other"]
+    assert second.metrics["verdict.vs_previous.diff"] == pytest.approx(0.30)
+    assert 0 < second.metrics["verdict.vs_previous.ci_low"] < 0.30 < second.metrics["verdict.vs_previous.ci_high"]
+    assert second.metrics["verdict.vs_previous.p_value"] < 1e-6       # 30 problems gained, none lost: 2 / 2^30
+    assert second.metrics["verdict.vs_previous.n_problems"] == 100
+    assert "verdict.vs_baseline" not in second.tags                  # none asked for
+
+    plan3, m3 = _verdict_plan(tmp_path, 3, job, solved=70)
+    third = _logged(track(plan3, m3, flow_run_id="fr-3").run_id)
+    assert third.tags["verdict.vs_previous"] == "equivalent" and third.tags["verdict.vs_previous.other"] == f"{job}@2"
+    assert third.tags["verdict.vs_best"] == "equivalent" and third.tags["verdict.vs_best.other"] == f"{job}@2"
+    assert third.metrics["verdict.vs_previous.diff"] == 0.0 and third.metrics["verdict.vs_previous.p_value"] == 1.0
+
+    # a 50-problem slice at step 4 measures something else: no verdicts for it, and it is nobody's previous/best
+    plan4, m4 = _verdict_plan(tmp_path, 4, job, solved=50, limit=50)
+    assert comparison_key(plan4) != comparison_key(plan3)
+    assert _verdict_tags(_logged(track(plan4, m4, flow_run_id="fr-4").run_id)) == {}
+    plan5, m5 = _verdict_plan(tmp_path, 5, job, solved=20, baseline=f"{job}@1")
+    fifth = _logged(track(plan5, m5, flow_run_id="fr-5").run_id)
+    assert fifth.tags["verdict.vs_previous.other"] == f"{job}@3" and fifth.tags["verdict.vs_previous"] == "worse"
+    assert fifth.tags["verdict.vs_best.other"] == f"{job}@2"          # highest accuracy; tie -> earlier step
+    assert fifth.tags["verdict.vs_baseline"] == "worse" and fifth.tags["verdict.vs_baseline.other"] == f"{job}@1"
+    assert fifth.metrics["verdict.vs_baseline.diff"] == pytest.approx(-0.20)
+
+
+class _FailingVerdictLookup:
+    """An MlflowClient that fails (a 503) where the verdicts look up the job's earlier evaluations (`search` of
+    kind ckpt_eval runs) or download their samples (`download`), and works everywhere else."""
+
+    def __init__(self, client, where: str):
+        self._client, self.where, self.failed = client, where, 0
+
+    def _fail(self):
+        from mlflow.exceptions import MlflowException
+        from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+
+        self.failed += 1
+        raise MlflowException("API request failed with error code 503 != 200", error_code=TEMPORARILY_UNAVAILABLE)
+
+    def search_runs(self, experiment_ids, filter_string="", *args, **kwargs):
+        if self.where == "search" and "ckpt_eval" in filter_string:
+            self._fail()
+        return self._client.search_runs(experiment_ids, filter_string, *args, **kwargs)
+
+    def download_artifacts(self, *args, **kwargs):
+        if self.where == "download":
+            self._fail()
+        return self._client.download_artifacts(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("where", ["search", "download"])
+def test_a_failed_verdict_lookup_leaves_tracking_successful(mlflow_server, configs, tmp_path, monkeypatch, caplog,
+                                                            where):
+    """MLflow failing while the verdicts search the job's earlier evaluations, or download their samples: the run
+    is still logged whole and finished (metrics, tags, artifacts), without verdict tags, and a warning says why."""
+    import logging
+
+    from mlflow import MlflowClient
+
+    from evaldag import tracking
+
+    job = f"flaky-verdict-{where}"
+    plan1, m1 = _verdict_plan(tmp_path, 1, job, solved=40)
+    tracking.track(plan1, m1, flow_run_id="fr-1")
+    failing = _FailingVerdictLookup(MlflowClient(), where)
+    monkeypatch.setattr(tracking, "_client", lambda: failing)
+    plan2, m2 = _verdict_plan(tmp_path, 2, job, solved=70)
+    with caplog.at_level(logging.WARNING, logger="evaldag"):
+        run = tracking.track(plan2, m2, flow_run_id="fr-2")
+    assert failing.failed >= 1                                         # the lookup was tried, and failed
+    assert run.created and MlflowClient().get_run(run.run_id).info.status == "FINISHED"
+    data = _logged(run.run_id)
+    assert data.metrics["accuracy"] == 0.7 and data.tags["train_run"] == job
+    assert _verdict_tags(data) == {}
+    assert "samples/samples.parquet" in [a.path for a in MlflowClient().list_artifacts(run.run_id, "samples")]
+    assert any("no paired verdicts" in r.getMessage() and "503" in r.getMessage() for r in caplog.records)

@@ -298,3 +298,19 @@ def test_log_verdicts_writes_tags_and_metrics(mlflow_store):
     assert data.metrics["verdict.vs_best.diff"] == pytest.approx(0.3)
     assert data.metrics["verdict.vs_best.ci_low"] == pytest.approx(v.ci_low)
     assert data.metrics["verdict.vs_best.p_value"] == pytest.approx(v.p_value)
+
+
+def test_verdict_settings_default_and_validate():
+    assert verdicts.verdict_settings({}) == (0.02, 0.05)
+    assert verdicts.verdict_settings({verdicts.MARGIN_ENV: "0.01", verdicts.ALPHA_ENV: "0.1"}) == (0.01, 0.1)
+    for bad in ({verdicts.MARGIN_ENV: "two points"}, {verdicts.ALPHA_ENV: "0"}, {verdicts.MARGIN_ENV: "-0.1"}):
+        with pytest.raises(ValueError, match="EVALDAG_VERDICT"):
+            verdicts.verdict_settings(bad)
+
+
+def test_references_pick_the_previous_and_the_first_best():
+    earlier = [{"run_id": "a", "step": 1, "accuracy": 0.4}, {"run_id": "b", "step": 2, "accuracy": 0.7},
+               {"run_id": "c", "step": 3, "accuracy": 0.7}, {"run_id": "d", "step": 4, "accuracy": 0.5}]
+    refs = verdicts.references(earlier)
+    assert (refs["previous"]["run_id"], refs["best"]["run_id"]) == ("d", "b")
+    assert verdicts.references([]) == {}
