@@ -16,34 +16,69 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from evaldag.stages import ShardProgress
 
 log = logging.getLogger(__name__)
 
 _PATTERN = re.compile(r"^(?P<benchmark>\S+) shard (?P<shard>\d+): (?P<done>\d+) of (?P<total>\d+) problems, "
-                      r"(?P<tokens>\d+) tokens generated")
+                      r"(?P<tokens>\d+) tokens generated"
+                      r"(?:; (?P<rate>\d+(?:\.\d+)?) tok/s)?(?:; (?P<tokens_left>\d+) tokens, (?P<seconds_left>\d+) s left)?")
 
 
-def describe(benchmark: str, shard: int, done: int, total: int, tokens: int) -> str:
+@dataclass(frozen=True)
+class Reported:
+    """What a shard's progress artifact says (`describe` writes it, `parse` reads it back)."""
+    benchmark: str
+    shard: int
+    done: int
+    total: int
+    tokens: int
+    tokens_per_s: float | None = None
+    tokens_left: int | None = None
+    seconds_left: float | None = None
+
+
+def describe(benchmark: str, shard: int, p: ShardProgress) -> str:
     """A progress artifact's description (readable in the Prefect UI, parsed back by `parse`)."""
-    return f"{benchmark} shard {shard}: {done} of {total} problems, {tokens} tokens generated"
+    text = f"{benchmark} shard {shard}: {p.done} of {p.total} problems, {p.tokens} tokens generated"
+    if p.tokens_per_s is not None:
+        text += f"; {p.tokens_per_s:.1f} tok/s"
+    if p.tokens_left is not None and p.seconds_left is not None:
+        text += f"; {p.tokens_left} tokens, {p.seconds_left:.0f} s left"
+    return text
 
 
-def parse(text: str | None) -> tuple[str, int, int, int, int] | None:
-    """(benchmark, shard, done, total, tokens) from a `describe` text, or None for any other text."""
+def parse(text: str | None) -> Reported | None:
+    """What a `describe` text says, or None for any other text."""
     m = _PATTERN.match(text or "")
     if m is None:
         return None
-    return (m["benchmark"], int(m["shard"]), int(m["done"]), int(m["total"]), int(m["tokens"]))
+    return Reported(m["benchmark"], int(m["shard"]), int(m["done"]), int(m["total"]), int(m["tokens"]),
+                    float(m["rate"]) if m["rate"] else None,
+                    int(m["tokens_left"]) if m["tokens_left"] else None,
+                    float(m["seconds_left"]) if m["seconds_left"] else None)
+
+
+def duration(seconds: float) -> str:
+    """A time left as people say it: 45 s, 12 min, 1 h 05 min."""
+    if seconds < 90:
+        return f"{max(seconds, 0):.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 def describe_evaluation(benchmarks: list[str], done: int, total: int, snap: Snapshot) -> str:
-    """The parent's whole-evaluation progress text: problems of every benchmark and shard together, and the shards.
+    """The parent's whole-evaluation progress text: problems of every benchmark and shard together, the generation
+    rate and time left, and the shards.
 
     It never matches `parse`'s pattern, so it is never counted as a shard's progress."""
     shards = (f"shards {snap.running} running, {snap.completed}/{snap.shards} done"
               + (f", {snap.retried} retried" if snap.retried else ""))
-    return (f"evaluation of {' + '.join(benchmarks)}: {done} of {total} problems, {snap.tokens} tokens generated; "
-            f"{shards}")
+    return (f"evaluation of {' + '.join(benchmarks)}: {done} of {total} problems, {snap.tokens} tokens generated"
+            f"{snap.rate_and_left()}; {shards}")
 
 
 @dataclass
@@ -57,12 +92,46 @@ class Snapshot:
     completed: int = 0
     retried: int = 0         # shard flow runs that ran more than once or failed (and were relaunched)
     completed_names: list[str] = field(default_factory=list)
+    tokens_per_s: float | None = None     # all generating shards together
+    seconds_left: float | None = None     # the forecast end of the generation (see `forecast`)
+
+    def rate_and_left(self) -> str:
+        """'; 152 tok/s, about 14 min left' as far as known, or ''."""
+        parts = ([f"{self.tokens_per_s:.0f} tok/s"] if self.tokens_per_s else []) + (
+            [f"about {duration(self.seconds_left)} left"] if self.seconds_left is not None else [])
+        return "; " + ", ".join(parts) if parts else ""
 
 
-def snapshot(client, parent_id) -> Snapshot:
-    """Read the parent flow run's shard flow runs and their progress artifacts (a sync Prefect client)."""
-    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType,
-                                                FlowRunFilter, FlowRunFilterParentFlowRunId)
+def forecast(reports: list[Reported], problems: int | None = None) -> tuple[float | None, float | None]:
+    """(tokens/s of the generating shards together, seconds left of the whole generation) from the shards' latest
+    reports. Shards run side by side, so the end is the later of the slowest shard's forecast and of all the work
+    left (shards not reporting yet included, at the reporting shards' tokens per problem) at the shards' combined
+    rate; `problems` is the evaluation's total, where known. (None, None) before anything is known."""
+    live = [r for r in reports if r.done < r.total]
+    rates = [r.tokens_per_s for r in live if r.tokens_per_s]
+    rate = sum(rates) if rates else None
+    known = [r for r in reports if r.seconds_left is not None and r.tokens_left is not None]
+    if not known or (live and rate is None):
+        return rate, None if live or not reports else 0.0
+    slowest = max(r.seconds_left for r in known)
+    tokens_left = sum(r.tokens_left for r in known)
+    reported = sum(r.total for r in reports)
+    if problems and problems > reported and reported:
+        per_problem = sum(r.tokens + r.tokens_left for r in known) / max(sum(r.total for r in known), 1)
+        tokens_left += (problems - reported) * per_problem
+    return rate, max(slowest, tokens_left / rate) if rate else slowest
+
+
+def snapshot(client, parent_id, problems: int | None = None) -> Snapshot:
+    """Read the parent flow run's shard flow runs and their progress artifacts (a sync Prefect client); `problems`
+    (the evaluation's total, where known) lets the forecast count shards that have not reported yet."""
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterType,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
 
     children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
         parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
@@ -82,15 +151,16 @@ def snapshot(client, parent_id) -> Snapshot:
         return snap
     artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
         flow_run_id=ArtifactFilterFlowRunId(any_=[c.id for c in children]), type=ArtifactFilterType(any_=["progress"])))
-    latest: dict[tuple[str, int], tuple] = {}
+    latest: dict[tuple[str, int], Reported] = {}
     for a in sorted(artifacts, key=lambda a: a.updated or a.created):   # a retried task's newer artifact wins
         got = parse(a.description)
         if got is not None:
-            latest[got[:2]] = got
-    for _, _, done, total, tokens in latest.values():
-        snap.done += done
-        snap.total += total
-        snap.tokens += tokens
+            latest[(got.benchmark, got.shard)] = got
+    for r in latest.values():
+        snap.done += r.done
+        snap.total += r.total
+        snap.tokens += r.tokens
+    snap.tokens_per_s, snap.seconds_left = forecast(list(latest.values()), problems)
     return snap
 
 
@@ -102,17 +172,17 @@ def progress_key(benchmark: str, shard: int) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"progress-{benchmark}-shard-{shard}".lower())
 
 
-def artifact_progress(benchmark: str, shard: int) -> Callable[[int, int, int], None]:
+def artifact_progress(benchmark: str, shard: int) -> Callable[[ShardProgress], None]:
     """A generate_shard progress callback (evaldag.stages.Progress) that creates, then updates, one Prefect
     progress artifact."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     artifact_id = None
 
-    def report(done: int, total: int, tokens: int) -> None:
+    def report(p: ShardProgress) -> None:
         nonlocal artifact_id
-        pct = 100.0 * done / total if total else 100.0
-        text = describe(benchmark, shard, done, total, tokens)   # `evaldag run` parses it back
+        pct = 100.0 * p.done / p.total if p.total else 100.0
+        text = describe(benchmark, shard, p)   # `evaldag run` parses it back
         try:
             if artifact_id is None:
                 artifact_id = create_progress_artifact(pct, key=progress_key(benchmark, shard), description=text)
@@ -146,7 +216,7 @@ def evaluation_progress(flow_run_id: str, benchmarks: list[str], total_problems:
     def publish() -> None:
         nonlocal artifact_id
         with get_client(sync_client=True) as client:
-            snap = snapshot(client, flow_run_id)
+            snap = snapshot(client, flow_run_id, total_problems)
         done = total_problems if finished.is_set() else min(snap.done, total_problems)
         pct = 100.0 * done / total_problems if total_problems else 100.0
         text = describe_evaluation(benchmarks, done, total_problems, snap)
@@ -179,53 +249,56 @@ def evaluation_progress(flow_run_id: str, benchmarks: list[str], total_problems:
 
 
 class Display:
-    """Shows snapshots: a rich progress bar on a terminal, one line per completed shard otherwise."""
+    """Shows snapshots: a rich progress bar on a terminal; otherwise (a log, CI, nohup) a line every `every_s`
+    seconds (problems, tokens/s, time left) and one per completed shard."""
 
-    def __init__(self, console, name: str):
-        self.console, self.name = console, name
-        self.t0 = time.monotonic()
+    def __init__(self, console, name: str, every_s: float = 60.0, clock=time.monotonic):
+        self.console, self.name, self.every_s, self.clock = console, name, every_s, clock
+        self.t0 = clock()
+        self._last_line = self.t0
         self._seen: set[str] = set()
         self._bar = None
         self._task = None
-        self._first_tokens: tuple[float, int] | None = None
 
     def __enter__(self) -> Display:
         if self.console.is_terminal:
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("problems"), TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-                                 TextColumn("left"), TimeRemainingColumn(), TextColumn("{task.fields[shards]}"),
+                                 TextColumn("{task.fields[left]}"), TextColumn("{task.fields[shards]}"),
                                  console=self.console, transient=False)
             self._bar.__enter__()
-            self._task = self._bar.add_task(self.name, total=None, rate="", shards="")
+            self._task = self._bar.add_task(self.name, total=None, rate="", left="", shards="")
         return self
 
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
-    def tokens_per_s(self, snap: Snapshot) -> float | None:
-        """Generated tokens per second since the first tokens were seen (all shards together)."""
-        now = time.monotonic()
-        if self._first_tokens is None:
-            self._first_tokens = (now, snap.tokens)
-            return None
-        t, tok = self._first_tokens
-        return (snap.tokens - tok) / (now - t) if now > t and snap.tokens > tok else None
-
     def update(self, state: str, snap: Snapshot) -> None:
-        rate = self.tokens_per_s(snap)
         shards = (f"shards {snap.running} running, {snap.completed}/{snap.shards} done"
                   + (f", {snap.retried} retried" if snap.retried else ""))
+        rate = f"{snap.tokens_per_s:.0f} tok/s" if snap.tokens_per_s else ""
+        left = f"about {duration(snap.seconds_left)} left" if snap.seconds_left is not None else ""
         if self._bar is not None:
             self._bar.update(self._task, completed=snap.done, total=snap.total or None,
-                             description=f"{self.name} ({state})", shards=shards,
-                             rate=f"{rate:.0f} tok/s" if rate is not None else "")
+                             description=f"{self.name} ({state})", shards=shards, rate=rate, left=left)
             return
+        now = self.clock()
         for name in snap.completed_names:
             if name not in self._seen:
                 self._seen.add(name)
                 self.console.print(f"{self.name}: shard {name} done; {shards}; {snap.done}/{snap.total} problems; "
-                                   f"{time.monotonic() - self.t0:.0f} s")
+                                   f"{now - self.t0:.0f} s")
+        if now - self._last_line >= self.every_s and state == "Running":
+            self._last_line = now
+            figures = ", ".join(x for x in (f"{snap.tokens} tokens", rate, left) if x)
+            self.console.print(f"{self.name}: {snap.done}/{snap.total} problems, {figures}; {shards}; "
+                               f"{now - self.t0:.0f} s")

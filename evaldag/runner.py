@@ -29,6 +29,22 @@ def point_clients_at_stack(stack: Stack, need_prefect: bool = True) -> None:
     os.environ.update(stack.client_auth_env())   # a stack with API auth (`evaldag up --auth`) lets nobody in without
 
 
+# Off a terminal (a log file, CI, nohup) `evaldag run` prints a progress line this often.
+PROGRESS_EVERY_ENV, PROGRESS_EVERY_S = "EVALDAG_PROGRESS_EVERY_S", 60.0
+
+
+def progress_every_s() -> float:
+    """Seconds between progress lines off a terminal ($EVALDAG_PROGRESS_EVERY_S, default PROGRESS_EVERY_S)."""
+    raw = os.environ.get(PROGRESS_EVERY_ENV) or PROGRESS_EVERY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise EvalDagError(f"{PROGRESS_EVERY_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     """Run eval/<benchmark> with `params`, wait for it, and print metrics and where to look."""
     point_clients_at_stack(stack)
@@ -47,7 +63,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
     t0 = time.monotonic()
     try:
-        with get_client(sync_client=True) as client, progress.Display(console, name) as display:
+        with get_client(sync_client=True) as client, progress.Display(console, name, every_s=progress_every_s()) as display:
             while True:
                 fr = client.read_flow_run(fr.id)
                 snap = progress.snapshot(client, fr.id)

@@ -5,18 +5,50 @@ from __future__ import annotations
 import io
 
 import pytest
-
 from rich.console import Console
 
 from evaldag import progress
 from evaldag.progress import progress_key
+from evaldag.stages import ShardProgress
 
 
 def test_description_round_trips_and_other_text_is_ignored():
-    text = progress.describe("math500", 3, 40, 125, 9120)
-    assert progress.parse(text) == ("math500", 3, 40, 125, 9120)
+    text = progress.describe("math500", 3, ShardProgress(40, 125, 9120))
+    assert progress.parse(text) == progress.Reported("math500", 3, 40, 125, 9120)
+    full = progress.describe("math500", 3, ShardProgress(40, 125, 9120, 151.66, 30012, 197.6))
+    assert full == "math500 shard 3: 40 of 125 problems, 9120 tokens generated; 151.7 tok/s; 30012 tokens, 198 s left"
+    assert progress.parse(full) == progress.Reported("math500", 3, 40, 125, 9120, 151.7, 30012, 198.0)
     assert progress.parse("something else") is None and progress.parse(None) is None
     assert progress_key("MATH_500", 2) == "progress-math-500-shard-2"
+
+
+def test_the_evaluations_forecast_is_its_slowest_shard_or_all_its_work_at_the_combined_rate():
+    fast = progress.Reported("math500", 0, 50, 100, 5000, 100.0, 5000, 50.0)
+    slow = progress.Reported("math500", 1, 20, 100, 2000, 50.0, 8000, 160.0)
+    assert progress.forecast([fast, slow]) == (150.0, 160.0)
+    # two more shards of 100 problems not reporting yet (queued for a slot): 200 x 100 tokens at 150 tok/s more
+    rate, left = progress.forecast([fast, slow], problems=400)
+    assert rate == 150.0 and left == pytest.approx((5000 + 8000 + 200 * 100) / 150)
+    assert progress.forecast([progress.Reported("math500", 0, 0, 100, 0)]) == (None, None)   # nothing known yet
+    done = progress.Reported("math500", 0, 100, 100, 9000, None, 0, 0.0)
+    assert progress.forecast([done, slow]) == (50.0, 160.0)         # a finished shard adds no rate
+    assert progress.forecast([done]) == (None, 0.0)
+    assert progress.duration(44.6) == "45 s" and progress.duration(700) == "12 min"
+    assert progress.duration(3900) == "1 h 05 min"
+
+
+def test_off_a_terminal_a_line_a_minute_with_rate_and_time_left():
+    out, now = io.StringIO(), [0.0]
+    console = Console(file=out, force_terminal=False, width=200)
+    with progress.Display(console, "eval/math500", every_s=60, clock=lambda: now[0]) as display:
+        for t in range(0, 200, 5):          # `evaldag run` polls every second; every 5 s here
+            now[0] = float(t)
+            display.update("Running", progress.Snapshot(done=t, total=500, tokens=100 * t, shards=1, running=1,
+                                                        tokens_per_s=100.0, seconds_left=500.0 - t))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3, lines           # at 60, 120 and 180 s
+    assert lines[0] == ("eval/math500: 60/500 problems, 6000 tokens, 100 tok/s, about 7 min left; "
+                        "shards 1 running, 0/1 done; 60 s")
 
 
 def test_not_on_a_terminal_one_line_per_completed_shard():
@@ -39,11 +71,11 @@ def test_on_a_terminal_a_progress_bar_with_rate_and_shards():
     console = Console(file=out, force_terminal=True, width=200)
     with progress.Display(console, "eval/math500") as display:
         display.update("Running", progress.Snapshot(done=0, total=10, tokens=0, shards=2, running=2))
-        display._first_tokens = (display._first_tokens[0] - 2.0, 0)       # as if 2 s went by
         display.update("Running", progress.Snapshot(done=4, total=10, tokens=400, shards=2, running=1, completed=1,
-                                                    retried=1))
+                                                    retried=1, tokens_per_s=200.0, seconds_left=130.0))
     text = out.getvalue()
-    assert "4/10" in text and "tok/s" in text and "1/2 done" in text and "1 retried" in text
+    assert "4/10" in text and "200 tok/s" in text and "about 2 min left" in text
+    assert "1/2 done" in text and "1 retried" in text
 
 
 class _Run:
@@ -80,4 +112,8 @@ def test_the_evaluations_progress_text_sums_the_shards_and_is_never_read_as_a_sh
     text = progress.describe_evaluation(["math500", "aime24"], 7, 530, snap)
     assert text == ("evaluation of math500 + aime24: 7 of 530 problems, 1234 tokens generated; "
                     "shards 1 running, 2/3 done, 1 retried")
+    snap.tokens_per_s, snap.seconds_left = 151.6, 1250.0
+    assert progress.describe_evaluation(["math500"], 7, 500, snap) == (
+        "evaluation of math500: 7 of 500 problems, 1234 tokens generated; 152 tok/s, about 21 min left; "
+        "shards 1 running, 2/3 done, 1 retried")
     assert progress.parse(text) is None

@@ -267,14 +267,14 @@ def test_progress_is_reported_per_batch_and_on_resume_and_reuse(setup):
     heard = []
     CountingEngine.crash_at = 1
     with pytest.raises(ConnectionError):
-        generate_shard(plan, 0, lambda *a: heard.append(a))
+        generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     assert heard == [(0, 3, 0), (2, 3, 6)]                     # 3 problems, batches of 2, 3 tokens each
     CountingEngine.crash_at = None
     heard.clear()
-    generate_shard(plan, 0, lambda *a: heard.append(a))
+    generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     assert heard == [(2, 3, 0), (3, 3, 3)]                     # resumed from the first batch's chunk
     heard.clear()
-    generate_shard(plan, 0, lambda *a: heard.append(a))
+    generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     assert heard == [(3, 3, 0)]                                # reused
 
 
@@ -303,7 +303,8 @@ class StreamingEngine:
             if j == type(self).crash_after:
                 raise ConnectionError("node lost")
             time.sleep(type(self).delay)
-            yield Running(tokens=7 * (len(order) - j))              # 7 tokens so far per unfinished request
+            yield Running(tokens=7 * (len(order) - j),              # 7 tokens so far per unfinished request
+                          counts=(7,) * (len(order) - j))
             type(self).generated.append(r.key)
             if type(self).on_finish is not None:
                 type(self).on_finish(r)
@@ -450,6 +451,23 @@ def test_sampled_rows_do_not_depend_on_chunking_or_sharding(streaming, monkeypat
     assert second.height == 8 and second.select(keys).join(one.select(keys), on=keys, how="anti").height == 0
 
 
+def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch):
+    """Each report forecasts tokens and seconds left (evaldag.time_left) once a rate is known; the last says none."""
+    from evaldag import stages
+
+    ckpt, _, results = streaming
+    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    heard, plan = [], _plan_of(ckpt, results)
+    generate_shard(plan, 0, heard.append)
+    cap = plan.sampling.max_new_tokens
+    assert heard[0].tokens_left == 8 * cap and heard[0].seconds_left is None     # nothing known: all to the cap
+    middle = [p for p in heard[1:-1] if p.seconds_left is not None]
+    assert middle and all(p.tokens_left > 0 and p.tokens_per_s > 0 for p in middle), heard
+    # once requests of 10 tokens have finished, the running ones (7 tokens so far) have 3 left, like them
+    assert any(p.tokens_left == 3 * (8 - p.done) for p in middle if p.done >= 2), heard
+    assert (heard[-1].done, heard[-1].tokens_left, heard[-1].seconds_left) == (8, 0, 0.0)
+
+
 def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, monkeypatch):
     """Progress moves as each request finishes and carries the tokens of the running ones, long before the last
     (longest) request of the shard finishes; throttled to PROGRESS_S; the last report is exact."""
@@ -460,7 +478,7 @@ def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, m
     plan = _plan_of(ckpt, results)
     heard = []
     StreamingEngine.on_finish = lambda r: heard.append(("finish", r.key))
-    generate_shard(plan, 0, lambda *a: heard.append(a))
+    generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     before_last = heard[:heard.index(("finish", StreamingEngine.generated[-1]))]
     reports = [h for h in before_last if h[0] != "finish"]
     assert reports[0] == (0, 8, 0)
@@ -473,5 +491,5 @@ def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, m
     monkeypatch.setattr(stages, "PROGRESS_S", 3600.0, raising=False)
     heard.clear()
     StreamingEngine.on_finish = None
-    generate_shard(_plan_of(ckpt, results / "again"), 0, lambda *a: heard.append(a))
+    generate_shard(_plan_of(ckpt, results / "again"), 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     assert heard == [(0, 8, 0), (8, 8, 80)]                 # throttled: only the first and the last

@@ -49,6 +49,9 @@ class Running:
     the time pass while none finishes."""
 
     tokens: int | None
+    # each running sequence's tokens so far (an n-sample request has n sequences; None where the engine cannot
+    # say): what evaldag.time_left forecasts the end from
+    counts: tuple[int, ...] | None = None
 
 
 Event = Finished | Running          # what Engine.generate_requests yields

@@ -336,7 +336,8 @@ class VLLMEngine:
                                    self._completions(ids[i], out, latency, len(requests)))
                 if waiting and time.perf_counter() - last_report >= report_s:
                     last_report = time.perf_counter()
-                    yield Running(_running_tokens(engine))
+                    counts = _running_counts(engine)
+                    yield Running(None if counts is None else sum(counts), counts)
             if waiting:
                 raise RuntimeError(f"vLLM stopped with {len(waiting)} requests unfinished")
         finally:
@@ -492,12 +493,12 @@ def _request_states(engine) -> list:
     return list(states.values()) if isinstance(states, dict) else []
 
 
-def _running_tokens(engine) -> int | None:
-    """Tokens generated so far by the unfinished requests, or None where vLLM does not expose them."""
+def _running_counts(engine) -> tuple[int, ...] | None:
+    """Tokens generated so far by each unfinished sequence, or None where vLLM does not expose them."""
     states = _request_states(engine)
     try:
-        return sum(s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None) if states \
-            else None
+        return tuple(s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None) \
+            if states else None
     except AttributeError:
         return None
 

@@ -98,8 +98,8 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
     chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
     heard = []                  # (seconds, problems done, total, tokens, chunk files on disk)
 
-    def progress(done, total, tokens):
-        heard.append((time.perf_counter(), done, total, tokens, len(list(chunks.glob("*.parquet")))))
+    def progress(p):
+        heard.append((time.perf_counter(), p.done, p.total, p.tokens, len(list(chunks.glob("*.parquet")))))
 
     gens = read_table(generate_shard(plan, 0, progress), GENERATION_SCHEMA)
     start = heard[0][0]
