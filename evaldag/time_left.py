@@ -27,6 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# Seconds of generation before the first forecast: the engine takes the prompts in first, at a fraction of its rate.
+MIN_SPAN_S = 30.0
+
+
 @dataclass(frozen=True)
 class Estimate:
     """A forecast: tokens still to generate, the recent generation rate, and seconds left (None until a rate is
@@ -67,10 +71,13 @@ class TimeLeft:
     token counts; `estimate` gives tokens and seconds left.
 
     `clock` is injectable for tests; the rate is taken over the last `window_s` seconds of reports (generation
-    slows and speeds up as the running set changes, so the recent rate forecasts better than the average)."""
+    slows and speeds up as the running set changes, so the recent rate forecasts better than the average), and
+    seconds left are given once `min_span_s` seconds of generation and one finished completion are behind."""
 
-    def __init__(self, completions: int, cap: int, window_s: float = 120.0, clock=time.monotonic) -> None:
+    def __init__(self, completions: int, cap: int, window_s: float = 120.0, min_span_s: float | None = None,
+                 clock=time.monotonic) -> None:
         self.completions, self.cap, self.window_s, self.clock = completions, cap, window_s, clock
+        self.min_span_s = MIN_SPAN_S if min_span_s is None else min_span_s
         self.finished: list[int] = []
         self._history: deque[tuple[float, int]] = deque()     # (time, tokens generated so far)
 
@@ -83,16 +90,20 @@ class TimeLeft:
         of the running completions (None where the engine does not report them: then every unfinished completion
         counts as not started)."""
         now = self.clock()
-        self._history.append((now, tokens_so_far))
+        if tokens_so_far > 0 or self._history:        # the rate counts from the first token (prefill is slower)
+            self._history.append((now, tokens_so_far))
         while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
             self._history.popleft()
         running = list(running or [])
         not_started = max(self.completions - len(self.finished) - len(running), 0)
         left = tokens_left(self.finished, running, not_started, self.cap)
-        (t0, tok0) = self._history[0]
+        t0, tok0 = self._history[0] if self._history else (now, tokens_so_far)
         rate = (tokens_so_far - tok0) / (now - t0) if now > t0 and tokens_so_far > tok0 else None
-        seconds = left / rate if rate else (0.0 if left == 0 else None)
+        # no forecast from the first seconds of generation (the engine is still taking prompts in) nor before a
+        # completion has finished (every length is then only known to be at least what it has so far)
+        known = rate is not None and now - t0 >= self.min_span_s and self.finished
+        seconds = 0.0 if left == 0 else (left / rate if known else None)
         return Estimate(tokens_left=round(left), tokens_per_s=rate, seconds_left=seconds)
 
 
-__all__ = ["Estimate", "TimeLeft", "tokens_left"]
+__all__ = ["MIN_SPAN_S", "Estimate", "TimeLeft", "tokens_left"]

@@ -291,6 +291,7 @@ class StreamingEngine:
     crash_after = None          # finished requests after which it raises (a node dying mid-shard)
     generated: list = []        # keys of the requests it generated, over all instances
     on_finish = None            # called with the request just finished, before it is yielded
+    submitted: list = []        # the keys of each call's requests, in the order they were handed over
 
     def plan_batches(self, prompts, sampling):
         return [list(range(lo, min(lo + 64, len(prompts)))) for lo in range(0, len(prompts), 64)]
@@ -298,6 +299,7 @@ class StreamingEngine:
     def generate_requests(self, requests, sampling):
         from evaldag.engines.base import Finished, Running
 
+        type(self).submitted.append([r.key for r in requests])
         order = sorted(requests, key=lambda r: (len(r.prompt), r.key))
         for j, r in enumerate(order):
             if j == type(self).crash_after:
@@ -451,12 +453,24 @@ def test_sampled_rows_do_not_depend_on_chunking_or_sharding(streaming, monkeypat
     assert second.height == 8 and second.select(keys).join(one.select(keys), on=keys, how="anti").height == 0
 
 
+def test_requests_are_submitted_in_a_seeded_random_order(streaming):
+    """The engine gets the shard's requests shuffled (the forecast of the end needs an order unrelated to length;
+    the plan's is longest prompt first), the same shuffle every time."""
+    ckpt, _, results = streaming
+    StreamingEngine.submitted = []
+    generate_shard(_plan_of(ckpt, results / "a"), 0)
+    generate_shard(_plan_of(ckpt, results / "b"), 0)
+    first, second = StreamingEngine.submitted
+    assert sorted(first) == list(range(8)) and first != list(range(8)) and first == second
+
+
 def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch):
     """Each report forecasts tokens and seconds left (evaldag.time_left) once a rate is known; the last says none."""
-    from evaldag import stages
+    from evaldag import stages, time_left
 
     ckpt, _, results = streaming
     monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    monkeypatch.setattr(time_left, "MIN_SPAN_S", 0.1)
     heard, plan = [], _plan_of(ckpt, results)
     generate_shard(plan, 0, heard.append)
     cap = plan.sampling.max_new_tokens

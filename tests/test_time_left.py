@@ -65,17 +65,22 @@ def test_the_estimate_is_unbiased_where_the_finished_mean_is_not():
 
 def test_seconds_left_come_from_the_recent_rate():
     now = [0.0]
-    est = TimeLeft(completions=4, cap=100, window_s=10.0, clock=lambda: now[0])
+    est = TimeLeft(completions=4, cap=100, window_s=10.0, min_span_s=4.0, clock=lambda: now[0])
     first = est.estimate(0, [])
     assert first.tokens_left == 400 and first.seconds_left is None and first.tokens_per_s is None
-    now[0] = 5.0
+    now[0] = 1.0
+    est.estimate(10, [5, 5])                # the first tokens: the rate counts from here
+    now[0] = 3.0
+    early = est.estimate(50, [25, 25])      # 2 s of generation, nothing finished: no forecast yet
+    assert early.tokens_per_s == pytest.approx(20.0) and early.seconds_left is None
+    now[0] = 6.0
     est.finish([50, 50])
-    second = est.estimate(100, [])          # 100 tokens in 5 s; two left, like those seen: 100 tokens
+    second = est.estimate(110, [])          # 100 tokens in 5 s; two left, like those seen: 100 tokens
     assert second.tokens_per_s == pytest.approx(20.0) and second.tokens_left == 100
     assert second.seconds_left == pytest.approx(5.0)
-    now[0], now_tokens = 25.0, 160
+    now[0] = 26.0
     est.finish([30])
-    third = est.estimate(now_tokens, [10])  # the window has moved past the first report: 60 tokens in 20 s
+    third = est.estimate(170, [10])         # the window has moved past the earlier reports: 60 tokens in 20 s
     assert third.tokens_per_s == pytest.approx(3.0)
     est.finish([50])
-    assert est.estimate(210, []).seconds_left == 0.0
+    assert est.estimate(220, []).seconds_left == 0.0
