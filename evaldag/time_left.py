@@ -74,7 +74,7 @@ class TimeLeft:
     slows and speeds up as the running set changes, so the recent rate forecasts better than the average), and
     seconds left are given once `min_span_s` seconds of generation and one finished completion are behind."""
 
-    def __init__(self, completions: int, cap: int, window_s: float = 120.0, min_span_s: float | None = None,
+    def __init__(self, completions: int, cap: int, window_s: float = 300.0, min_span_s: float | None = None,
                  clock=time.monotonic) -> None:
         self.completions, self.cap, self.window_s, self.clock = completions, cap, window_s, clock
         self.min_span_s = MIN_SPAN_S if min_span_s is None else min_span_s
