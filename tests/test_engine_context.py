@@ -121,7 +121,8 @@ def test_what_the_user_set_wins_over_the_fitted_sizes(monkeypatch):
     out = fit_to_workload({"max_model_len": 4096, "kv_cache_space_gb": 1.5}, small, SHAPE, on_cpu=True)
     assert out["max_model_len"] == 4096 and out["kv_cache_memory_bytes"] == int(1.5 * GiB)
     # no workload: the default cache; unknown shape: the default cache and vLLM's own window
-    assert fit_to_workload({}, None, SHAPE, on_cpu=True) == {"kv_cache_memory_bytes": 2 * GiB}
+    assert fit_to_workload({}, None, SHAPE, on_cpu=True) == {"kv_cache_memory_bytes": 2 * GiB,
+                                                             "enable_chunked_prefill": False}
     assert fit_to_workload({"speculative_ngram": False}, small, ModelShape(None, None), on_cpu=True) == {
         "kv_cache_memory_bytes": 2 * GiB}
     # the CPU build's own variable is the user's setting too; a GPU's cache is gpu_memory_utilization's
@@ -129,6 +130,27 @@ def test_what_the_user_set_wins_over_the_fitted_sizes(monkeypatch):
     assert "kv_cache_memory_bytes" not in fit_to_workload({}, small, SHAPE, on_cpu=True)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     assert "kv_cache_memory_bytes" not in fit_to_workload({}, small, SHAPE, on_cpu=False)
+
+
+@pytest.mark.parametrize("workload, on_cpu, whole", [
+    (Workload(1000, 4, False), True, True),       # sampled on CPU: a split prefill would kill the engine
+    (None, True, True),                           # loaded for anything: it may get sampled requests
+    (Workload(1000, 4, True), True, False),       # greedy: no generator to rewind, chunked prefill stays
+    (Workload(1000, 4, False), False, False),     # GPU: CUDA generators rewind
+])
+def test_sampled_prompts_on_cpu_are_prefilled_whole(monkeypatch, workload, on_cpu, whole):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    out = fit_to_workload({}, workload, SHAPE, on_cpu)
+    assert (out.get("enable_chunked_prefill") is False) is whole
+
+
+def test_a_step_budget_below_the_window_is_refused_for_whole_prefills():
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=1024 is below max_model_len=2048"):
+        fit_to_workload({"max_model_len": 2048, "max_num_batched_tokens": 1024}, Workload(1000, 4, False), SHAPE,
+                        on_cpu=True)
+    # enough, or greedy (chunked prefill kept): accepted
+    fit_to_workload({"max_model_len": 2048, "max_num_batched_tokens": 2048}, Workload(1000, 4, False), SHAPE, True)
+    fit_to_workload({"max_model_len": 2048, "max_num_batched_tokens": 1024}, Workload(1000, 4, True), SHAPE, True)
 
 
 @dataclass

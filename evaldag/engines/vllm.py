@@ -162,8 +162,9 @@ def fitted_kv_bytes(workload: Workload, max_model_len: int, kv_bytes_per_token: 
 
 def fit_to_workload(args: dict, workload: Workload | None, shape: ModelShape, on_cpu: bool) -> dict:
     """The vLLM arguments for serving `workload` (None: anything), from the validated engine_args `args`: the
-    context window fitted to the longest sequence, on CPU the KV cache fitted to the sequences and n-gram
-    speculation for a greedy workload. What the user set in `args` wins."""
+    context window fitted to the longest sequence, on CPU the KV cache fitted to the sequences, n-gram
+    speculation for a greedy workload and whole-prompt prefills for any other. What the user set in `args` wins,
+    except chunked prefill under sampling on CPU, which the CPU build cannot run."""
     args = dict(args)
     if workload is not None and "max_model_len" not in args:
         if (fit := fitted_max_model_len(workload.context_tokens, shape.window)) is not None:
@@ -171,6 +172,17 @@ def fit_to_workload(args: dict, workload: Workload | None, shape: ModelShape, on
     speculate = args.pop("speculative_ngram", None)
     if workload is not None and workload.greedy and (speculate if speculate is not None else on_cpu):
         args["speculative_config"] = dict(_NGRAM)
+    if on_cpu and not (workload is not None and workload.greedy):
+        # Whole-prompt prefills for sampled requests on CPU. vLLM samples a token for a prompt whose prefill was
+        # split across steps, discards it and rewinds that request's seeded generator; torch's CPU generator has no
+        # offset to rewind, so the engine died ("CPU Generator does not use offset") once a shard's prompts passed
+        # the 4096-token step budget (8 MATH-500 prompts x n=8 did). Greedy requests carry no generator. vLLM then
+        # schedules max(max_model_len, its default) tokens per step.
+        args["enable_chunked_prefill"] = False
+        if args.get("max_num_batched_tokens", 1 << 62) < args.get("max_model_len", 0):
+            raise ConfigError(f"vllm engine_args: max_num_batched_tokens={args['max_num_batched_tokens']} is below "
+                              f"max_model_len={args['max_model_len']}; on CPU a sampled shard schedules every prompt "
+                              "whole, so raise max_num_batched_tokens to at least max_model_len (or drop it)")
     kv_gb = args.pop("kv_cache_space_gb", None)
     if kv_gb is not None:
         args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)

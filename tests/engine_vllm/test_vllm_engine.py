@@ -150,6 +150,22 @@ def test_bad_engine_args_are_named(model_path, args, match):
         load_engine("vllm", model_path, DTYPE, 4, args)
 
 
+def test_sampled_prompts_over_the_step_budget_are_served(engine):
+    """Sampled requests whose prompts pass vLLM's 4096-token step budget: with chunked prefill, one prompt's prefill
+    was split across steps, and the CPU build died rewinding that request's seeded generator ("CPU Generator does
+    not use offset"). On CPU every prompt is now prefilled whole, and seeded samples stay reproducible."""
+    prompts = [f"Problem {i}: " + " ".join(f"term{i}x{k}" for k in range(110)) + ". Summarise it." for i in range(20)]
+    lengths = [len(ids) for ids in engine._prompt_ids(prompts)]
+    assert sum(lengths) > 4096 and max(lengths) < 4096, lengths
+    if engine.on_cpu:
+        assert engine.llm.llm_engine.vllm_config.scheduler_config.enable_chunked_prefill is False
+    s = SamplingConfig(n=2, temperature=1.0, max_new_tokens=4, seed=11)
+    first = engine.generate_batch(prompts, s, 0)
+    again = engine.generate_batch(prompts, s, 0)
+    assert [len(c) for c in first] == [2] * len(prompts)
+    assert [[c.token_ids for c in x] for x in first] == [[c.token_ids for c in x] for x in again]
+
+
 def test_batches_streamed_together_match_batches_one_at_a_time(engine):
     """generate_batches keeps every batch in the engine at once; each batch must come back whole, exactly once,
     with the completions of its own prompts (the same as generating that batch alone, up to batching numerics)."""
