@@ -10,7 +10,8 @@ generates, so the `gpu` pool never runs more GPU work than it has GPUs.
 - tp > limit: ConfigError at once (Prefect would answer 422 on every attempt; a shard must never wait forever for
   slots that cannot exist);
 - otherwise the shard waits, as long as it takes, until tp slots are free, and holds them under a lease that a
-  background thread renews; a shard process that dies frees its slots when the lease expires (LEASE_S).
+  background thread renews; a shard process that dies frees its slots when the lease expires (evaldag.gpus.
+  gpu_lease_s).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from evaldag.deployments import SHARD_DEPLOYMENT, SHARD_FLOW
 from evaldag.engines import keep_loaded
 from evaldag.errors import CheckpointError
 from evaldag.grading import start_worker_server
-from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, shard_gpus
+from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, gpu_lease_s, shard_gpus
 from evaldag.liveness import fence, is_lost_run_crash, revive, settled, watch_for_false_crash
 from evaldag.models import check_unchanged
 from evaldag.plan import EvalPlan, load_plan
@@ -40,10 +41,6 @@ from evaldag.progress import artifact_progress
 from evaldag.stages import generate_shard, grade_shard, record_reused, shard_done, workload
 from tasks.retry import retry_transient
 
-# A lost shard (its node gone, kill -9) keeps its slots until the lease expires: Prefect's default of 300 s would
-# hold the relaunched shard back for minutes after the crash automation (evaldag.cluster, ~60-95 s) has already
-# released it. The renewal thread renews every 0.75 * LEASE_S, so a live shard never loses its slots.
-LEASE_S = 60
 
 
 # ---------------------------------------------------------------------- launch (a task of the parent flow)
@@ -221,6 +218,7 @@ def hold_gpus(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
 
     log = _logger()
     check_visible_gpus(tp, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    lease_s = gpu_lease_s()
     limit = _read_limit(name)
     if limit is None or not limit.active:
         why = "does not exist" if limit is None else "is inactive"
@@ -234,7 +232,8 @@ def hold_gpus(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
     log.info("waiting for %d of %d GPU slot(s) of %r (%d in use)", tp, limit.limit, name, limit.active_slots)
     # strict=False: a limit deleted between the read above and here means "no limit" (the case handled above);
     # a failed lease renewal (a server hiccup) must not kill an hour-long generation.
-    with concurrency(name, occupy=tp, strict=False, raise_on_lease_renewal_failure=False, lease_duration=LEASE_S):
+    with concurrency(name, occupy=tp, strict=False, raise_on_lease_renewal_failure=False,
+                     lease_duration=lease_s):
         log.info("holding %d GPU slot(s) of %r", tp, name)
         yield
 
