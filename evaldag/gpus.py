@@ -3,7 +3,7 @@
 The local stack (`evaldag up --gpus N --tp K`) starts N // K workers on the `gpu` pool, each pinned to K distinct
 GPUs with CUDA_VISIBLE_DEVICES and running one shard at a time (`--limit 1`). On top of that, the Prefect global
 concurrency limit GPU_LIMIT (limit N) counts GPUs across the whole pool: a shard holds `shard_gpus(model)` slots
-of it while it generates (flows/shard_flow.py), so the pool never runs more GPU work than it has GPUs, and a shard
+of it while it generates (tasks/gpu_slots.py), so the pool never runs more GPU work than it has GPUs, and a shard
 that needs more GPUs than the pool has fails at once instead of waiting forever.
 """
 

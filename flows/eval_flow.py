@@ -23,7 +23,9 @@ from evaldag.liveness import revive, watch_for_false_crash
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
 from evaldag.progress import evaluation_progress
 from evaldag.report import headline_table, summary_markdown
-from flows.shard_flow import launch_shard, pool_num_gpus, shard_flow
+from flows.shard_flow import shard_flow
+from tasks.gpu_slots import pool_num_gpus
+from tasks.launch_shard import launch_shard
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
 from tasks.track import track_task

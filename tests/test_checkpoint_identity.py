@@ -17,7 +17,7 @@ from evaldag.errors import CheckpointError
 from evaldag.models import check_unchanged
 from evaldag.plan import EvalRequest, resolve
 from evaldag.stages import generate_shard
-from flows.shard_flow import _check_models, _relaunchable
+from tasks.launch_shard import _relaunchable, check_models
 from tasks.retry import retry_transient
 
 # ---- events: the step in the folder name and the event's step agree
@@ -74,7 +74,7 @@ def test_a_checkpoint_removed_after_planning_is_named_and_not_retried(planned):
     assert not loads and not plan.generations_path(0).exists()
     assert retry_transient(None, None, Failed(data=e.value)) is False       # the generate task's retry rule
     with pytest.raises(CheckpointError, match="is gone"):
-        _check_models(plan)                     # what the launch task checks after a failed shard
+        check_models(plan)                     # what the launch task checks after a failed shard
     assert _relaunchable(None, None, Failed(data=e.value)) is False
     assert _relaunchable(None, None, Failed(data=RuntimeError("shard 0 ended FAILED"))) is True
 

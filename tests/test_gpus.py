@@ -227,11 +227,11 @@ def test_cli_old_gpu_workers_option_still_works_and_says_so(tmp_path, warnings_s
 
 @pytest.fixture
 def slots(monkeypatch):
-    """flows.shard_flow's GPU slots with the limit lookup and Prefect's concurrency() replaced by fakes; records what
+    """tasks.gpu_slots' GPU slots with the limit lookup and Prefect's concurrency() replaced by fakes; records what
     was acquired."""
     import prefect.concurrency.sync
 
-    from flows import shard_flow as task_gpus
+    from tasks import gpu_slots as task_gpus
 
     acquired: list[tuple] = []
     leases: list[float] = []

@@ -275,7 +275,7 @@ def test_gpu_concurrency_limit_blocks_a_second_occupant(stack):
     from prefect.concurrency.sync import concurrency
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.shard_flow import hold_gpus
+    from tasks.gpu_slots import hold_gpus
 
     s = stack.settings
     limit = _gpu_limit(stack)

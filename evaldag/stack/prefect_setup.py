@@ -170,7 +170,7 @@ class PrefectSetup:
     def _ensure_gpu_limit(self, reset_slots: bool = False) -> None:
         """Create or update the global concurrency limit GPU_LIMIT: one slot per GPU of the `gpu` pool.
 
-        Shard flows hold `tensor_parallel_size` slots of it while generating (flows/shard_flow.py). With no GPUs
+        Shard flows hold `tensor_parallel_size` slots of it while generating (tasks/gpu_slots.py). With no GPUs
         (--gpus 0) the limit is made inactive, which Prefect treats as unlimited, so inline shards still run.
         """
         n = self.settings.num_gpus

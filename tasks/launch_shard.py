@@ -1,0 +1,97 @@
+"""launch-shard, a task of the parent flow: start one shard as a flow run of eval-shard/gpu on the `gpu` work
+pool, wait for it, and launch it again when it crashed or failed (a lost node, kill -9), unless its checkpoint is
+gone or was rewritten since planning, which fails the same way every time."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import get_run_logger, task
+from prefect.client.orchestration import get_client
+from prefect.context import get_run_context
+from prefect.deployments import run_deployment
+
+from evaldag.deployments import SHARD_DEPLOYMENT
+from evaldag.errors import CheckpointError
+from evaldag.liveness import is_lost_run_crash, settled
+from evaldag.models import check_unchanged
+from evaldag.plan import EvalPlan, load_plan
+from evaldag.stages import record_reused, shard_done
+
+
+def _relaunchable(task, task_run, state) -> bool:
+    """retry_condition_fn of launch-shard: a shard whose checkpoint is gone or was rewritten since planning fails
+    the same way every time (_run_shard raises CheckpointError for it); every other failure is launched again."""
+    try:
+        state.result()
+    except CheckpointError:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="launch-shard", retries=2, retry_delay_seconds=5, retry_condition_fn=_relaunchable)
+def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str]:
+    """Start one shard flow run for shard `shard_index` of every plan that still needs it, wait for it, and return
+    the graded file of each plan (in the order of `plan_paths`). The plans are the benchmarks of one checkpoint:
+    the shard run loads the engine once for all of them."""
+    log = get_run_logger()
+    plans = [load_plan(p) for p in plan_paths]
+    graded = {path: shard_done(plan, shard_index) for path, plan in zip(plan_paths, plans)}
+    for path, plan in zip(plan_paths, plans):
+        if graded[path] is not None:
+            record_reused(plan, shard_index)
+            log.info("%s shard %d: every stage already in the result store (%s), not launched", plan.benchmark.name,
+                     shard_index, graded[path])
+    todo = [(path, plan) for path, plan in zip(plan_paths, plans) if graded[path] is None]
+    if todo:
+        _run_shard(todo, shard_index, parent_run_id)
+        for path, plan in todo:
+            graded[path] = plan.graded_path(shard_index)
+            if not graded[path].is_file():
+                raise RuntimeError(f"shard {shard_index} completed but wrote no {graded[path]}; is the result store "
+                                   "shared between the cpu and gpu workers?")
+        log.info("shard %d of %s done", shard_index, "+".join(plan.benchmark.name for _, plan in todo))
+    return [str(graded[path]) for path in plan_paths]
+
+
+def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id: str) -> None:
+    """Run shard `shard_index` of the plans `todo` as one flow run of the shard deployment and wait for it; raise
+    unless it completed."""
+    attempt = get_run_context().task_run.run_count
+    # Prefect hands back the existing run for a reused idempotency key even when it failed, so a retry must carry
+    # its attempt number to really start the shard again.
+    keys = "+".join(plan.eval_key[:16] for _, plan in todo)
+    names = "+".join(plan.benchmark.name for _, plan in todo)
+    width = max(plan.num_shards for _, plan in todo)
+    fr = run_deployment(
+        SHARD_DEPLOYMENT,
+        parameters={"plan_path": [path for path, _ in todo], "shard_index": shard_index},
+        flow_run_name=f"{names}-{todo[0][1].eval_key[:8]}-shard{shard_index}of{width}",
+        idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=0,
+    )
+    from evaldag.tracking import preload
+
+    preload()  # the parent logs to MLflow after its shards: its client loads while they run, not after
+    with get_client(sync_client=True) as client:
+        while not (fr.state and fr.state.is_final()):
+            time.sleep(1)
+            fr = client.read_flow_run(fr.id)
+        if is_lost_run_crash(fr.state):
+            # the same window may have crashed this parent too: its retry can start no task until it is revived
+            settled(lambda: client.read_flow_run(parent_run_id))
+    if not fr.state.is_completed():
+        # a checkpoint removed or rewritten since planning cannot succeed on a relaunch: say so (CheckpointError,
+        # which launch_shard does not retry) instead of launching it twice more
+        for _, plan in todo:
+            check_models(plan)
+        raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "
+                           f"{fr.state.message}")
+
+
+def check_models(plan: EvalPlan) -> None:
+    """CheckpointError unless the plan's model (and reference) folders still hold what was planned."""
+    check_unchanged(plan.resolved_model)
+    if plan.reference is not None:
+        check_unchanged(plan.reference, "reference model")

@@ -1,0 +1,30 @@
+"""The shard flow's two stages as tasks: generate (the GPU work, its progress a Prefect artifact) and grade
+(math-verify in worker processes). Each skips work whose output is already in the result store, and retries what
+is transient (tasks.retry)."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.tasks import exponential_backoff
+
+from evaldag.plan import load_plan
+from evaldag.progress import artifact_progress
+from evaldag.stages import generate_shard, grade_shard
+from tasks.retry import retry_transient
+
+
+@task(name="generate", persist_result=True,
+      retries=2, retry_delay_seconds=exponential_backoff(5), retry_jitter_factor=0.2,
+      retry_condition_fn=retry_transient)
+def generate_task(plan_path: str, shard_index: int) -> str:
+    """Generate one shard (skipped when its output already exists), its progress published as a Prefect progress
+    artifact; returns the generations file."""
+    plan = load_plan(plan_path)
+    return str(generate_shard(plan, shard_index, artifact_progress(plan.benchmark.name, shard_index)))
+
+
+@task(name="grade", persist_result=True, retries=1, retry_delay_seconds=2, retry_condition_fn=retry_transient)
+def grade_task(plan_path: str, shard_index: int) -> str:
+    """Grade one shard with math-verify in worker processes with a hard per-item timeout (skipped when its output
+    already exists); returns the graded file."""
+    return str(grade_shard(load_plan(plan_path), shard_index))
