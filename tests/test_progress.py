@@ -9,28 +9,28 @@ from rich.console import Console
 
 from evaldag import progress
 from evaldag.progress import progress_key
-from evaldag.stages import ShardProgress
+from evaldag.progress import ShardProgress
 
 
 def test_description_round_trips_and_other_text_is_ignored():
     text = progress.describe("math500", 3, ShardProgress(40, 125, 9120))
-    assert progress.parse(text) == progress.Reported("math500", 3, 40, 125, 9120)
+    assert progress.parse(text) == progress.Reported("math500", 3, ShardProgress(40, 125, 9120))
     full = progress.describe("math500", 3, ShardProgress(40, 125, 9120, 151.66, 30012, 197.6))
     assert full == "math500 shard 3: 40 of 125 problems, 9120 tokens generated; 151.7 tok/s; 30012 tokens, 198 s left"
-    assert progress.parse(full) == progress.Reported("math500", 3, 40, 125, 9120, 151.7, 30012, 198.0)
+    assert progress.parse(full) == progress.Reported("math500", 3, ShardProgress(40, 125, 9120, 151.7, 30012, 198.0))
     assert progress.parse("something else") is None and progress.parse(None) is None
     assert progress_key("MATH_500", 2) == "progress-math-500-shard-2"
 
 
 def test_the_evaluations_forecast_is_its_slowest_shard_or_all_its_work_at_the_combined_rate():
-    fast = progress.Reported("math500", 0, 50, 100, 5000, 100.0, 5000, 50.0)
-    slow = progress.Reported("math500", 1, 20, 100, 2000, 50.0, 8000, 160.0)
+    fast = ShardProgress(50, 100, 5000, 100.0, 5000, 50.0)
+    slow = ShardProgress(20, 100, 2000, 50.0, 8000, 160.0)
     assert progress.forecast([fast, slow]) == (150.0, 160.0)
     # two more shards of 100 problems not reporting yet (queued for a slot): 200 x 100 tokens at 150 tok/s more
     rate, left = progress.forecast([fast, slow], problems=400)
     assert rate == 150.0 and left == pytest.approx((5000 + 8000 + 200 * 100) / 150)
-    assert progress.forecast([progress.Reported("math500", 0, 0, 100, 0)]) == (None, None)   # nothing known yet
-    done = progress.Reported("math500", 0, 100, 100, 9000, None, 0, 0.0)
+    assert progress.forecast([ShardProgress(0, 100, 0)]) == (None, None)   # nothing known yet
+    done = ShardProgress(100, 100, 9000, None, 0, 0.0)
     assert progress.forecast([done, slow]) == (50.0, 160.0)         # a finished shard adds no rate
     assert progress.forecast([done]) == (None, 0.0)
     assert progress.duration(44.6) == "45 s" and progress.duration(700) == "12 min"

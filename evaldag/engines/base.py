@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from evaldag.config import SamplingConfig
 
@@ -57,10 +56,6 @@ class Running:
 Event = Finished | Running          # what Engine.generate_requests yields
 
 
-# progress callback: (prompts done, prompts total, tokens generated so far, seconds so far)
-Progress = Callable[[int, int, int, float], None]
-
-
 class Engine(Protocol):
     """What every engine offers; `generate` returns, per prompt, `sampling.n` completions in input order.
 
@@ -84,8 +79,7 @@ class Engine(Protocol):
         keeps its scheduler full across batch boundaries instead of draining it at the end of every batch."""
         ...
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig,
-                 progress: Progress | None = None) -> list[list[Completion]]: ...
+    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]: ...
 
     # An engine that batches continuously (vLLM) also offers
     #   generate_requests(requests: list[Request], sampling) -> Iterator[Event]
@@ -133,18 +127,13 @@ def batches_one_by_one(engine: Engine, batches: list[tuple[int, list[str]]],
         yield b, engine.generate_batch(prompts, sampling, b)
 
 
-def generate_in_batches(engine: Engine, prompts: list[str], sampling: SamplingConfig,
-                        progress: Progress | None = None) -> list[list[Completion]]:
-    """`Engine.generate` for any engine: its plan's batches one after another, results in the order of `prompts`."""
+def generate_in_batches(engine: Engine, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
+    """`Engine.generate` for any engine: its plan's batches one after another, results in the order of `prompts`
+    (a shard's progress is evaldag.stages', per request)."""
     results: list[list[Completion] | None] = [None] * len(prompts)
-    done, tokens, start = 0, 0, time.perf_counter()
     plan = engine.plan_batches(prompts, sampling)
     for b, batch in engine.generate_batches([(b, [prompts[i] for i in idx]) for b, idx in enumerate(plan)], sampling):
         idx = plan[b]
         for i, comps in zip(idx, batch):
             results[i] = comps
-            tokens += sum(c.completion_tokens for c in comps)
-        done += len(idx)
-        if progress:
-            progress(done, len(prompts), tokens, time.perf_counter() - start)
     return results  # type: ignore[return-value]

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import (Completion, Progress, batches_by_length, batches_one_by_one, chat_text,
+from evaldag.engines.base import (Completion, batches_by_length, batches_one_by_one, chat_text,
                                   generate_in_batches)
 from evaldag.engines.context import PromptFit, config_window
 
@@ -116,10 +116,9 @@ class HFEngine:
         """Static batching: one batch after another (see Engine.generate_batches)."""
         return batches_one_by_one(self, batches, sampling)
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig,
-                 progress: Progress | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
         """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        return generate_in_batches(self, prompts, sampling, progress)
+        return generate_in_batches(self, prompts, sampling)
 
     def _generate_batch(self, texts: list[str], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)

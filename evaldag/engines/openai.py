@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import httpx
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, Progress, batches_by_length, batches_one_by_one, generate_in_batches
+from evaldag.engines.base import Completion, batches_by_length, batches_one_by_one, generate_in_batches
 from evaldag.engines.context import PromptFit
 from evaldag.engines.vllm import sample_seed
 from evaldag.errors import ConfigError, EvalDagError
@@ -363,10 +363,9 @@ class OpenAIEngine:
         at a time, and the server batches them with whatever else it serves."""
         return batches_one_by_one(self, batches, sampling)
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig,
-                 progress: Progress | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
         """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        return generate_in_batches(self, prompts, sampling, progress)
+        return generate_in_batches(self, prompts, sampling)
 
     def _payload(self, prompt: str, sampling: SamplingConfig, seed: int) -> dict:
         payload = {"model": self.settings.model, "messages": [{"role": "user", "content": prompt}],

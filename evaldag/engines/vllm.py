@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import (Completion, Event, Finished, Progress, Request, Running, batches_by_length,
+from evaldag.engines.base import (Completion, Event, Finished, Request, Running, batches_by_length,
                                   chat_text, generate_in_batches)
 from evaldag.engines.context import PromptFit
 from evaldag.engines.workload import Workload
@@ -376,10 +376,9 @@ class VLLMEngine:
             ))
         return comps
 
-    def generate(self, prompts: list[str], sampling: SamplingConfig,
-                 progress: Progress | None = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
         """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        return generate_in_batches(self, prompts, sampling, progress)
+        return generate_in_batches(self, prompts, sampling)
 
     # -- scoring ----------------------------------------------------------------------------------------------
     def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
