@@ -15,7 +15,6 @@ import random
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from os import PathLike
 
 import polars as pl
