@@ -16,23 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
+from _common import free_ports  # noqa: E402  (also: the project on sys.path, EVALDAG_DATA_DIR)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _run(benchmark: str, params: dict) -> tuple[float, dict]:
@@ -88,7 +76,7 @@ def main() -> None:
     from evaldag.plan import load_plan
     from evaldag.stack import Stack, StackSettings
 
-    prefect_port, mlflow_port = _free_ports(2)
+    prefect_port, mlflow_port = free_ports(2)
     settings = dict(home=home / "stack", prefect_port=prefect_port, mlflow_port=mlflow_port)
     stack = Stack(StackSettings(**settings, num_gpus=1))
     params = {"limit": args.limit, "num_shards": args.shards, "train_run": "bench-flow",

@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from pathlib import Path
+import _common  # noqa: E402,F401  (the project on sys.path, EVALDAG_DATA_DIR)
 
-os.environ.setdefault("EVALDAG_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def main() -> None:

@@ -17,26 +17,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from _common import free_ports  # noqa: E402  (also: the project on sys.path, EVALDAG_DATA_DIR)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Probe(threading.Thread):
@@ -88,7 +76,7 @@ def measure(database: str, shards: int, workers: int, max_new_tokens: int) -> di
     """One stack on `database`, one evaluation of `shards` shards through `workers` gpu workers."""
     home = Path(tempfile.mkdtemp(prefix=f"evaldag-bench-load-{database}-"))
     pg_root = None
-    prefect_port, mlflow_port, pg_port = _free_ports(3)
+    prefect_port, mlflow_port, pg_port = free_ports(3)
     extra: dict = {}
     if database == "postgres":
         pg_root = Path(tempfile.mkdtemp(prefix="evaldag-bench-load-pg-"))
@@ -150,7 +138,6 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--only", choices=["sqlite", "postgres"])
     args = ap.parse_args()
-    os.environ.setdefault("EVALDAG_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     results = {}

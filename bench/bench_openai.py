@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from _common import free_ports  # noqa: E402  (also: the project on sys.path, EVALDAG_DATA_DIR)
 
-os.environ.setdefault("EVALDAG_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(model_path: str, port: int, log: Path) -> subprocess.Popen:
@@ -62,7 +55,7 @@ def _bench_served(model, prompts: list[str], sampling, batch: int, concurrency: 
 
     from evaldag.engines import load_engine
 
-    port = _free_port()
+    port = free_ports(1)[0]
     log = Path(tempfile.mkdtemp(prefix="bench-openai-")) / "server.log"
     t0 = time.perf_counter()
     proc = _serve(model.path, port, log)

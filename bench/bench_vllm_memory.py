@@ -17,9 +17,8 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
+import _common  # noqa: E402,F401  (the project on sys.path, EVALDAG_DATA_DIR)
 
-os.environ.setdefault("EVALDAG_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 def _one(prompts_n: int, max_new_tokens: int, kv_gb: float, fitted: bool) -> dict:
