@@ -12,13 +12,12 @@ import json
 import math
 import os
 import shutil
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from evaldag.models import validate_checkpoint
+from fake_events import FakeEventsServer
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_sft.py"
 TRAIN_RUN = "sft-test"
@@ -48,33 +47,13 @@ ROWS = [
 ]
 
 
-class _EventRecorder(BaseHTTPRequestHandler):
-    received: list[dict]
-
-    def do_POST(self):  # noqa: N802 - http.server's naming
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.path != "/api/events":
-            self.send_response(404)
-            self.end_headers()
-            return
-        self.server.received.extend(json.loads(body))
-        self.send_response(204)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture(scope="module")
 def events_api():
     """A stand-in for Prefect's events endpoint: records the events POSTed to /api/events, answers 204."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _EventRecorder)
-    server.received = []
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}/api", server.received
-    server.shutdown()
-    server.server_close()
+    server = FakeEventsServer().start()
+    yield server.url, server
+    server.release.set()
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +95,10 @@ def _check_events(events: list[dict], out: Path, steps: list[int]) -> None:
 @pytest.fixture(scope="module")
 def first_run(workdir, events_api):
     root, data = workdir
-    api_url, received = events_api
+    api_url, server = events_api
     out = root / "out"
     rc = train_sft.main(_args(data, out, api_url, "--max-steps", "4"))
-    return rc, out, list(received)
+    return rc, out, server.events()
 
 
 @pytest.mark.model
@@ -149,7 +128,7 @@ def test_trains_saves_and_announces_checkpoints(first_run, events_api):
 def test_resume_continues_without_retriggering(first_run, workdir, events_api, capsys):
     _, out, _ = first_run
     _, data = workdir
-    api_url, received = events_api
+    api_url, server = events_api
     before = {n: (out / n / "model.safetensors").stat().st_mtime_ns for n in _checkpoints(out)}
 
     rc = train_sft.main(_args(data, out, api_url, "--max-steps", "6", "--resume"))
@@ -162,12 +141,12 @@ def test_resume_continues_without_retriggering(first_run, workdir, events_api, c
     state = _state(out / "checkpoint-6")
     assert state["step"] == 6 and state["trigger"]["num_triggers"] == 3
     assert [h["step"] for h in state["log_history"]] == [1, 2, 3, 4, 5, 6]
-    _check_events(received, out, [2, 4, 6])                                 # one more event, 2 and 4 not re-sent
+    _check_events(server.events(), out, [2, 4, 6])                                 # one more event, 2 and 4 not re-sent
 
     # Resuming once more at the end is a no-op: nothing trained, saved or sent.
     assert train_sft.main(_args(data, out, api_url, "--max-steps", "6", "--resume")) == 0
     assert _checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-    assert len(received) == 3
+    assert len(server.events()) == 3
 
 
 def test_missing_data_file_is_a_clear_error(tmp_path, capsys):

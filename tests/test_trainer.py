@@ -13,12 +13,12 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from evaldag.trainer import CheckpointNotifier, EvalTrigger, flush_spool
+from fake_events import FakeEventsServer
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,68 +148,6 @@ def test_check_and_state_validation():
         t.load_state_dict({"last_step": 3})
     with pytest.raises(ValueError, match="secs_since_last"):
         t.load_state_dict({"last_step": 3, "last_epoch": 0, "secs_since_last": -1})
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# A tiny stand-in for the Prefect events endpoint
-# ----------------------------------------------------------------------------------------------------------------
-
-class FakeEventsServer:
-    """Records POST bodies; answers statuses from `script` (then `default`), optionally after a delay."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[str, list]] = []
-        self.script: list[int] = []
-        self.default = 204
-        self.delay_s = 0.0
-        self.release = threading.Event()          # set at teardown to cut delays short
-        self.port: int | None = None
-        self._server: ThreadingHTTPServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api"
-
-    @property
-    def ids(self) -> list[str]:
-        return [body[0]["id"] for _, body in self.received]
-
-    def start(self, port: int = 0) -> "FakeEventsServer":
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server naming
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if owner.delay_s:
-                    owner.release.wait(owner.delay_s)
-                owner.received.append((self.path, body))
-                status = owner.script.pop(0) if owner.script else owner.default
-                payload = b"" if status == 204 else json.dumps({"detail": f"status {status}"}).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass                      # the client timed out first (the slow-server test)
-
-            def log_message(self, *args):
-                pass
-
-        ThreadingHTTPServer.allow_reuse_address = True
-        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        # A short poll interval makes stop() quick (shutdown() waits for the next poll).
-        threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-        return self
-
-    def stop(self) -> None:
-        """Stop listening: connections to the port are then refused."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 @pytest.fixture
