@@ -69,8 +69,8 @@ def launch(command: list[str]) -> int:
 def module_command(module: str, argv: list[str]) -> list[str]:
     """The command that runs `module` as the program, like `python -m module argv...`, but with no named main
     module: multiprocessing's "spawn" and "forkserver" children (the grading pool's workers) import a named main
-    module again, each of them, which for `prefect.engine` means importing Prefect, 2-3 s per worker start on this
-    box (measured); a `-c` program has nothing for them to import."""
+    module again, each of them, which for `prefect.engine` means importing Prefect at every worker start
+    (docs/performance.md); a `-c` program has nothing for them to import."""
     return [sys.executable, "-c", f"import runpy; runpy.run_module({module!r}, run_name='__main__')", *argv]
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from evaldag.cluster import CRASH_AUTOMATION
 
-# One poll costs the Prefect server ~16 ms of CPU and the run ~2 ms (measured on this 2-core box): every 5 s that is
-# 0.4 % of a core per run, 100 runs a third of the server's core. Prefect's own heartbeat is every 30 s.
+# Each poll costs the server CPU (every 5 s: 0.4 % of a core per run, docs/performance.md). Prefect's own heartbeat
+# is every 30 s.
 POLL_S = 5.0
 REVIVE_GRACE_S = 3 * POLL_S   # a parent undoes a false crash within one poll and one API round trip
 STOP_WAIT_S = 10.0            # how long the end of a flow's body waits for its watcher's read in flight

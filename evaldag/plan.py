@@ -154,8 +154,8 @@ def compute_eval_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# A shard pays a fixed cost before its first token (process start, imports, engine init: ~20 s for vLLM on CPU, about
-# what 45 MATH-500 problems take to generate there), so a shard smaller than this costs more than it saves.
+# A shard pays a fixed cost before its first token (process start, imports, engine init; docs/performance.md), so a
+# shard smaller than this costs more than it saves.
 MIN_SEQUENCES_PER_SHARD = 32
 
 

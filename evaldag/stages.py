@@ -279,7 +279,7 @@ class _PerRequest(_ShardRun):
         seed = self.plan.sampling.seed
         requests = [Request(i, self.prompts[i], request_seed(seed, self.records[i]["sample_id"])) for i in self.todo]
         # Submitted in a seeded random order, not the plan's (longest prompt first: harder problems, longer answers,
-        # measured -0.20 correlation between a request's place and its length on MATH-500): the forecast of the end
+        # docs/performance.md): the forecast of the end
         # (evaldag.time_left) reads the requests finished so far as a fair sample of all, which holds only when the
         # order says nothing of length. Completions do not depend on it (seeds are per request).
         random.Random(f"{seed}:{self.shard}").shuffle(requests)

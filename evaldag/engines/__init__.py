@@ -41,7 +41,7 @@ _ENGINES = {
     "openai": ("evaldag.engines.openai", "OpenAIEngine", "pip install httpx"),
 }
 DEFAULT_ENGINE_ENV = "EVALDAG_DEFAULT_ENGINE"
-_BUILTIN_DEFAULT = "vllm"       # the fast engine: continuous batching, 3-4x transformers' tokens/s on CPU here
+_BUILTIN_DEFAULT = "vllm"       # the fast engine: continuous batching (docs/performance.md)
 # Engines that give the exact per-position KL to a reference over the whole vocabulary (score_with_reference);
 # with any other, only the sampled tokens' log-probabilities are available (see evaldag.kl).
 EXACT_KL_ENGINES = frozenset({"hf"})

@@ -71,16 +71,14 @@ _GONE = {"swap_space": "vLLM V1 has no CPU swap space (preempted sequences are r
          "seed": "the sampling seed comes from the benchmark's sampling config (sampling.seed)",
          "dtype": "dtype is the model config's own field (dtype:), not an engine_arg"}
 
-# vLLM CPU's own default is 4 GiB. 2 is enough for eval batches and leaves RAM to others: on 128 MATH-500 prompts x
-# 512 tokens (bench/bench_vllm_memory.py) 4 and 6 GiB gave 0.99x and 1.01x the tok/s of 2 GiB for +1.8 / +3.8 GB RSS.
-# A smaller shard gets what its sequences need at full length (fitted_kv_bytes): fresh memory is slow to hand out
-# on a VM (2 GiB of zeros took 5.7 s here), and a 4-problem slice needs 0.2 GiB.
+# vLLM CPU's own default is 4 GiB; 2 is as fast for eval batches and leaves RAM to others. A smaller shard gets what
+# its sequences need at full length (fitted_kv_bytes): fresh memory is slow to hand out on a VM. Figures:
+# docs/performance.md, "The figures behind settings in the code".
 _CPU_KV_DEFAULT_GB = 2
 _KV_STEP = 64 * 2**20
 # n-gram speculation (vLLM proposes the next tokens from the text so far, the model checks them in one step): it
-# is lossless only for greedy requests, and pays most where decoding is memory-bound (few sequences). Measured on
-# CPU (greedy, 512 tokens, fp32, 2 cores, every completion identical): 4 GSM8K prompts 32.0 -> 22.2 s (1.44x),
-# 32 MATH-500 prompts 1.02x, 128 MATH-500 prompts 336.0 -> 310.8 s (1.08x). Not measured on a GPU: off there.
+# is lossless only for greedy requests, and pays most where decoding is memory-bound (few sequences); measured on
+# CPU only (docs/performance.md), so off on a GPU.
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
@@ -176,7 +174,7 @@ def fit_to_workload(args: dict, workload: Workload | None, shape: ModelShape, on
         # Whole-prompt prefills for sampled requests on CPU. vLLM samples a token for a prompt whose prefill was
         # split across steps, discards it and rewinds that request's seeded generator; torch's CPU generator has no
         # offset to rewind, so the engine died ("CPU Generator does not use offset") once a shard's prompts passed
-        # the 4096-token step budget (8 MATH-500 prompts x n=8 did). Greedy requests carry no generator. vLLM then
+        # the 4096-token step budget. Greedy requests carry no generator. vLLM then
         # schedules max(max_model_len, its default) tokens per step.
         args["enable_chunked_prefill"] = False
         if args.get("max_num_batched_tokens", 1 << 62) < args.get("max_model_len", 0):
@@ -436,11 +434,11 @@ class VLLMEngine:
 def _cpu_setup() -> dict:
     """Set the CPU build's process settings (the caller's environment wins) and return the vLLM arguments it needs."""
     # By default it keeps one CPU for the frontend; on a small box that CPU is missed by the model more
-    # (measured 470 vs 684 tok/s on 2 cores).
+    # (docs/performance.md).
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # The engine core in this process instead of a spawned one: the spawn re-imports vLLM and torch, which
-    # tripled the start (measured 31.7 s against 9.6 s to a ready engine, close 5.4 s against 1.6 s); on a
-    # CPU the second process buys no overlap, both compete for the same cores.
+    # tripled the start (docs/performance.md); on a CPU the second process buys no overlap, both compete for the
+    # same cores.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # vLLM drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; a shard owns its slot's
     # cores (EVALDAG_TORCH_THREADS, set by the stack when slots share a host's cores).

@@ -23,7 +23,7 @@ from evaldag.stack.processes import _cli, _log_tail, _repo, _tail
 from evaldag.stack.settings import POSTGRES, PREFECT_SERVER, StackSettings
 
 # How the local pools' workers start a flow run: evaldag.flow_run_launcher, one bare interpreter start instead of
-# Prefect's workspace supervisor (3-4 s of imports per flow run here). `python` is the workers' environment's:
+# Prefect's workspace supervisor (seconds of imports per flow run, docs/performance.md). `python` is the workers' environment's:
 # they run with its bin folder first on PATH (the pool is shared by every host, each with its own environment).
 FLOW_RUN_COMMAND = "python -m evaldag.flow_run_launcher"
 
