@@ -26,7 +26,7 @@ from _common import free_ports  # noqa: E402  (also: the project on sys.path, EV
 def _run(benchmark: str, params: dict) -> tuple[float, dict]:
     from prefect.deployments import run_deployment
 
-    from evaldag.deployments import eval_deployment
+    from evaldag.runtime.deployments import eval_deployment
 
     t0 = time.perf_counter()
     fr = run_deployment(eval_deployment(benchmark), parameters=params, timeout=None, poll_interval=1)
@@ -74,7 +74,7 @@ def main() -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from evaldag.plan import load_plan
-    from evaldag.stack import Stack, StackSettings
+    from evaldag.runtime.stack import Stack, StackSettings
 
     prefect_port, mlflow_port = free_ports(2)
     settings = dict(home=home / "stack", prefect_port=prefect_port, mlflow_port=mlflow_port)

@@ -83,8 +83,8 @@ def measure(database: str, shards: int, workers: int, max_new_tokens: int) -> di
         pg_root.chmod(0o755)  # under root the cluster runs as `postgres`, which must reach its folder
         extra = {"postgres": True, "postgres_port": pg_port, "postgres_dir": pg_root / "cluster"}
     os.environ["EVALDAG_HOME"] = str(home)
-    from evaldag.deployments import eval_deployment
-    from evaldag.stack import Stack, StackSettings
+    from evaldag.runtime.deployments import eval_deployment
+    from evaldag.runtime.stack import Stack, StackSettings
 
     stack = Stack(StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, num_gpus=workers,
                                 **extra))

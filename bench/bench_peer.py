@@ -119,7 +119,7 @@ def run_evaldag(limit: int) -> tuple[float, dict]:
     """eval/math500 through the running stack, from the request to the MLflow run: (wall, summary)."""
     from prefect.deployments import run_deployment
 
-    from evaldag.deployments import eval_deployment
+    from evaldag.runtime.deployments import eval_deployment
 
     name = eval_deployment("math500")
     seed = random.randrange(1, 2**31)      # greedy ignores it; it only makes the generation key new
@@ -244,8 +244,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from evaldag.models import resolve_model
-    from evaldag.runner import point_clients_at_stack
-    from evaldag.stack import Stack, StackSettings
+    from evaldag.runtime.runner import point_clients_at_stack
+    from evaldag.runtime.stack import Stack, StackSettings
 
     point_clients_at_stack(Stack(StackSettings.from_env()))
     data = Path(os.environ.get("EVALDAG_DATA_DIR", REPO.parent / "shared" / "data")) / "math500" / "test.jsonl"

@@ -15,7 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from evaldag.errors import EvalDagError, warn_deprecated
-from evaldag.node_clock import MAX_CLOCK_SKEW_ENV, MAX_CLOCK_SKEW_S
+from evaldag.runtime.node_clock import MAX_CLOCK_SKEW_ENV, MAX_CLOCK_SKEW_S
 
 
 class _Group(TyperGroup):
@@ -93,7 +93,7 @@ def up(
     """Start the local stack (Prefect server, work pools and workers, MLflow server) and deploy the flows."""
     from rich.console import Console
 
-    from evaldag.stack import Stack, StackSettings
+    from evaldag.runtime.stack import Stack, StackSettings
 
     if gpu_workers is not None:
         warn_deprecated("--gpu-workers", "--gpus")
@@ -184,9 +184,9 @@ def worker(
     EVALDAG_HOME; `evaldag down` stops them."""
     from rich.console import Console
 
-    from evaldag.cluster import server_url
-    from evaldag.node_clock import check_clock
-    from evaldag.stack import Stack, StackSettings
+    from evaldag.runtime.cluster import server_url
+    from evaldag.runtime.node_clock import check_clock
+    from evaldag.runtime.stack import Stack, StackSettings
 
     # before anything starts: a node whose clock lags the head's has every live shard crashed as lost
     check_clock(server_url(server) + "/api", max_clock_skew_s)
@@ -217,7 +217,7 @@ def worker(
 @app.command()
 def down() -> None:
     """Stop the local stack: workers first, then the servers (their data stays in the state directory)."""
-    from evaldag.stack import Stack
+    from evaldag.runtime.stack import Stack
 
     stack = Stack()
     stopped = stack.down()
@@ -233,7 +233,7 @@ def status() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from evaldag.stack import Stack
+    from evaldag.runtime.stack import Stack
 
     stack = Stack()
     rows = stack.status()
@@ -257,7 +257,7 @@ def status() -> None:
 @app.command()
 def env() -> None:
     """Print `export` lines for the stack's URLs: eval "$(evaldag env)"."""
-    from evaldag.stack import Stack
+    from evaldag.runtime.stack import Stack
 
     for line in Stack().env_lines():
         typer.echo(line)
@@ -293,8 +293,8 @@ def run(
 ) -> None:
     """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result
     and the paired verdicts against the job's previous and best checkpoints (and --baseline)."""
-    from evaldag import runner
-    from evaldag.stack import Stack
+    from evaldag.runtime import runner
+    from evaldag.runtime.stack import Stack
 
     stack = Stack()
     sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
@@ -309,9 +309,10 @@ def flush_events(
     train_run: Annotated[Optional[str], typer.Argument(help="training run whose spool to flush (default: all)")] = None,
 ) -> None:
     """Send checkpoint events a trainer spooled while the Prefect server was unreachable."""
-    from evaldag import paths, runner
+    from evaldag import paths
+    from evaldag.runtime import runner
     from evaldag.rules import check_train_run
-    from evaldag.stack import Stack
+    from evaldag.runtime.stack import Stack
     from evaldag.trainer import flush_spool
 
     if train_run is not None:
@@ -333,8 +334,9 @@ def flush_events(
 @app.command()
 def sync() -> None:
     """Log to MLflow every finished evaluation of the result store that MLflow lacks (after a tracking outage)."""
-    from evaldag import paths, runner
-    from evaldag.stack import Stack
+    from evaldag import paths
+    from evaldag.runtime import runner
+    from evaldag.runtime.stack import Stack
     from evaldag.tracking import sync as sync_runs
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
@@ -362,9 +364,9 @@ def compare(
     with --verdicts, paired verdicts per evaluation (evaldag/verdicts.py)."""
     from rich.console import Console
 
-    from evaldag import runner
+    from evaldag.runtime import runner
     from evaldag.compare import collect, render
-    from evaldag.stack import Stack
+    from evaldag.runtime.stack import Stack
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
     df = collect(benchmark, train_run)

@@ -23,7 +23,7 @@ TP_ENGINES = ("vllm",)              # engines that read TP_ARG; every other engi
 SERVED_ENGINES = ("openai",)        # engines whose model runs on a server elsewhere: a shard holds no local GPU
 # A lost shard (its node gone, kill -9) keeps its slots until their lease expires, and its relaunch waits that long
 # for them. Prefect's default of 300 s would hold the relaunch back for minutes after the crash automation
-# (evaldag.cluster, ~60-95 s) has released it. The holder renews every 0.75 x the lease, so a live shard never loses
+# (evaldag.runtime.cluster, ~60-95 s) has released it. The holder renews every 0.75 x the lease, so a live shard never loses
 # its slots. Tests set a short one: their shards are killed on purpose.
 GPU_LEASE_S = 60.0
 GPU_LEASE_ENV = "EVALDAG_GPU_LEASE_S"

@@ -12,7 +12,7 @@ import os
 from prefect import flow
 
 from evaldag.checkpoints import allowed_roots_from_env, validate_checkpoint_event
-from evaldag.deployments import CHECKPOINT_FLOW
+from evaldag.runtime.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
 from evaldag.rules import check_limit
 from evaldag.triggers import requested_benchmarks

@@ -18,8 +18,8 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 
-from evaldag.deployments import EVAL_FLOW
-from evaldag.liveness import revive, watch_for_false_crash
+from evaldag.runtime.deployments import EVAL_FLOW
+from evaldag.runtime.liveness import revive, watch_for_false_crash
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
 from evaldag.progress import evaluation_progress
 from evaldag.report import headline_table, summary_markdown
@@ -32,7 +32,7 @@ from tasks.track import track_task
 
 
 # persist_result: the summary lands in the result store (the server's default result storage, see
-# evaldag.prefect_results), so `evaldag run`, a parent flow or any Prefect client can read it back.
+# evaldag.runtime.prefect_results), so `evaldag run`, a parent flow or any Prefect client can read it back.
 @flow(name=EVAL_FLOW, task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True, persist_result=True)
 def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` works from the CLI
     benchmark: str = "math500",
@@ -59,7 +59,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     to those against the job's previous and best checkpoints.
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
-    # this evaluation (evaldag.liveness)
+    # this evaluation (evaldag.runtime.liveness)
     with watch_for_false_crash(flow_run.id, revive):
         names = list(dict.fromkeys(benchmarks)) if benchmarks else [benchmark]
         requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,

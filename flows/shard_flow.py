@@ -11,11 +11,11 @@ import contextlib
 from prefect import flow
 from prefect.runtime import flow_run
 
-from evaldag.deployments import SHARD_FLOW
+from evaldag.runtime.deployments import SHARD_FLOW
 from evaldag.engines import keep_loaded
 from evaldag.gpus import shard_gpus
 from evaldag.grading import start_worker_server
-from evaldag.liveness import fence, revive, watch_for_false_crash
+from evaldag.runtime.liveness import fence, revive, watch_for_false_crash
 from evaldag.plan import load_plan
 from evaldag.stages import workload
 from tasks.gpu_slots import hold_gpus, in_deployment
@@ -33,7 +33,7 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
     in the store are reused without waiting for a slot or loading the engine.
     """
     # a deployed shard set Crashed while it runs (a clock step, a partition) is relaunched by its parent, so this
-    # process stops; an inline shard runs in its parent's process and resumes instead (evaldag.liveness)
+    # process stops; an inline shard runs in its parent's process and resumes instead (evaldag.runtime.liveness)
     with watch_for_false_crash(flow_run.id, fence if in_deployment() else revive):
         return _shard_flow_body(plan_path, shard_index)
 

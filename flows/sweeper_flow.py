@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
-from evaldag.deployments import LATEST_FLOW, SWEEPER_FLOW
+from evaldag.runtime.deployments import LATEST_FLOW, SWEEPER_FLOW
 from evaldag.errors import ConfigError
 from evaldag.triggers import evaluated_key, requested_benchmarks, train_run_of
 from tasks.start_evaluation import start_evaluation
@@ -35,7 +35,7 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
     has no finished MLflow run with these settings (`eval_overrides`) yet. An evaluation that failed or crashed is
     started again, once: nothing while a retry of it is still queued or running, and nothing after a run a person
-    cancelled unless `include_cancelled` (evaldag.relaunch)."""
+    cancelled unless `include_cancelled` (evaldag.runtime.relaunch)."""
     marker = os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()

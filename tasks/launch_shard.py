@@ -11,9 +11,9 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from evaldag.deployments import SHARD_DEPLOYMENT
+from evaldag.runtime.deployments import SHARD_DEPLOYMENT
 from evaldag.errors import CheckpointError
-from evaldag.liveness import is_lost_run_crash, settled
+from evaldag.runtime.liveness import is_lost_run_crash, settled
 from evaldag.models import check_unchanged
 from evaldag.plan import EvalPlan, load_plan
 from evaldag.stages import record_reused, shard_done

@@ -8,8 +8,8 @@ from uuid import UUID
 from prefect import get_run_logger, task
 from prefect.deployments import run_deployment
 
-from evaldag import relaunch
-from evaldag.deployments import SUITE_DEPLOYMENT, evaluation_deployment
+from evaldag.runtime import relaunch
+from evaldag.runtime.deployments import SUITE_DEPLOYMENT, evaluation_deployment
 from evaldag.triggers import evaluation_id
 
 _PAGE = 200
@@ -25,7 +25,7 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     eval/<benchmark>; several as one eval/suite run, so every gpu slot loads the checkpoint once for all of them.
 
     With `relaunch_failed`, an evaluation whose first run did not complete is started again under a retry key
-    (Prefect would otherwise hand back the failed run forever), as evaldag.relaunch decides over all its attempts:
+    (Prefect would otherwise hand back the failed run forever), as evaldag.runtime.relaunch decides over all its attempts:
     nothing while one of them is still live (the live one is returned), nothing after a completed one, nothing after
     a run a person cancelled unless `include_cancelled`, otherwise exactly one retry. The returned dict's `relaunch`
     says which (None without `relaunch_failed` or when the first run is live or completed)."""

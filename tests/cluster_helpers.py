@@ -45,7 +45,7 @@ def state_history(flow_run_id) -> list:
 
 def wait_final(flow_run_id, timeout: float = 900.0):
     """The flow run's final state, once it has one (a lost-run crash that the run undoes is not final)."""
-    from evaldag.liveness import settled
+    from evaldag.runtime.liveness import settled
 
     return wait(lambda: (s := settled(lambda: flow_run(flow_run_id)).state) and s.is_final() and s,
                 timeout=timeout, every=2)

@@ -73,7 +73,7 @@ def live_stack():
     tests once that way); the default is SQLite."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from evaldag.stack import Stack, StackSettings
+    from evaldag.runtime.stack import Stack, StackSettings
 
     prefect_port, mlflow_port, pg_port = free_ports(3)
     database = os.environ.get("EVALDAG_TEST_DATABASE", "sqlite")

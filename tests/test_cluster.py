@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from evaldag import cluster
+from evaldag.runtime import cluster
 from evaldag.cli import app
 from evaldag.errors import StackError
-from evaldag.stack import CPU_WORKER, Stack, StackSettings
+from evaldag.runtime.stack import CPU_WORKER, Stack, StackSettings
 
 
 def test_server_url_and_reachable_addresses():
@@ -89,7 +89,7 @@ def test_a_node_never_applies_loader_or_interpreter_variables_from_the_head(tmp_
                                     "HF_TOKEN": "h", "EVALDAG_DATA_DIR": "/data"})
     stack = _node(tmp_path, monkeypatch)
     monkeypatch.setattr(cluster, "fetch", lambda api, auth=None: info)
-    with caplog.at_level("WARNING", logger="evaldag.cluster"):
+    with caplog.at_level("WARNING", logger="evaldag.runtime.cluster"):
         env = stack._desired_specs("sid")["gpu7-gpu-0"].env
     assert env.get("LD_PRELOAD") is None and env.get("LD_LIBRARY_PATH") != "/tmp"
     assert env.get("PYTHONPATH") != "/tmp/evil" and "PYTHONSTARTUP" not in env
@@ -169,7 +169,7 @@ def _configure_only(monkeypatch) -> list[str]:
     monkeypatch.setattr(cluster, "publish", lambda api, info: calls.append(f"publish {sorted(info.env)}"))
     monkeypatch.setattr(cluster, "unpublish", lambda api: calls.append("unpublish"), raising=False)
     monkeypatch.setattr(cluster, "ensure_crash_automation", lambda api, hb: "kept")
-    monkeypatch.setattr("evaldag.prefect_results.configure", lambda api, root: None)
+    monkeypatch.setattr("evaldag.runtime.prefect_results.configure", lambda api, root: None)
     monkeypatch.setattr(Stack, "_ensure_pools", lambda self: None)
     monkeypatch.setattr(Stack, "_ensure_gpu_limit", lambda self, reset_slots=False: None)
     return calls

@@ -20,7 +20,7 @@ import boto3
 import httpx
 import pytest
 
-from evaldag.cluster import CRASH_AUTOMATION
+from evaldag.runtime.cluster import CRASH_AUTOMATION
 from cluster_helpers import Hosts, can_make_namespaces, children, flow_run, state_history, wait, wait_final
 from conftest import free_ports
 

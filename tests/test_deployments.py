@@ -1,4 +1,4 @@
-"""The deployment manifest, the benchmark configs and evaldag.deployments name the same deployments."""
+"""The deployment manifest, the benchmark configs and evaldag.runtime.deployments name the same deployments."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 
 import yaml
 
-from evaldag import deployments as d
+from evaldag.runtime import deployments as d
 from evaldag.config import available
 
 

@@ -23,8 +23,8 @@ from prefect.deployments import run_deployment
 from cluster_helpers import (NewGenerations, alive, children, engine_processes, flow_run, flow_run_processes,
                              kill_all, wait)
 from conftest import TEST_MLFLOW_TIMEOUT_S
-from evaldag.stack import MLFLOW_SERVER
-from evaldag.stack.components import MLFLOW_RETRIES
+from evaldag.runtime.stack import MLFLOW_SERVER
+from evaldag.runtime.stack.components import MLFLOW_RETRIES
 from evaldag.tracking import experiment_name
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
@@ -162,7 +162,7 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     parent relaunches it, which resumes from the batches already written); every sample is there exactly once."""
     from prefect.states import Crashed
 
-    from evaldag.cluster import MIN_HEARTBEAT_S, crash_automation
+    from evaldag.runtime.cluster import MIN_HEARTBEAT_S, crash_automation
     from evaldag.models import resolve_model
     from evaldag.tracking import load_samples
 
@@ -281,7 +281,7 @@ def _generate_runs(flow_run_ids) -> list:
 def _two_gpu_slots(stack):
     """The shared stack with two gpu workers and two GPU slots for the block (what `evaldag up --gpus 2` gives),
     then back to one."""
-    from evaldag.stack import Stack
+    from evaldag.runtime.stack import Stack
 
     Stack(stack.settings.model_copy(update={"num_gpus": 2})).up(deploy=False)
     try:

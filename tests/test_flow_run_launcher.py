@@ -1,4 +1,4 @@
-"""evaldag.flow_run_launcher, the command the local pools start flow runs with: a session of the run's own, stop
+"""evaldag.runtime.flow_run_launcher, the command the local pools start flow runs with: a session of the run's own, stop
 signals reaching the run and its children, the run's exit status passed on, the run dying with its launcher."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ RUN = textwrap.dedent("""
 
 
 def _launcher(*command: str) -> list[str]:
-    return [sys.executable, "-c", "import sys; from evaldag.flow_run_launcher import launch; "
+    return [sys.executable, "-c", "import sys; from evaldag.runtime.flow_run_launcher import launch; "
             f"sys.exit(launch({[sys.executable, *command]!r}))"]
 
 
@@ -93,7 +93,7 @@ PROBE = textwrap.dedent("""
 def test_worker_processes_do_not_import_the_engine_again(tmp_path):
     """A module run by `module_command` (as Prefect's engine is) is not imported again by each "forkserver" child:
     under `python -m` every grading-pool worker re-imports the main module (for the engine: all of Prefect)."""
-    from evaldag.flow_run_launcher import module_command
+    from evaldag.runtime.flow_run_launcher import module_command
 
     (tmp_path / "probe_main.py").write_text(PROBE)
     log = tmp_path / "log"

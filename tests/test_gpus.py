@@ -24,7 +24,7 @@ from evaldag.gpus import (
     shard_gpus,
 )
 from evaldag.models import ResolvedModel
-from evaldag.stack import CPU_WORKER, Stack, StackSettings
+from evaldag.runtime.stack import CPU_WORKER, Stack, StackSettings
 
 
 def test_parse_gpu_ids():
@@ -142,7 +142,7 @@ def test_settings_tp_with_named_gpus(clean_env):
 
 
 def test_settings_gpus_on_a_cpu_box(clean_env):
-    clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: None)
+    clean_env.setattr("evaldag.runtime.stack.settings.detect_gpu_ids", lambda: None)
     s = StackSettings.from_env(num_gpus=4, tp=2)
     assert (s.gpus, s.num_gpu_workers) == (None, 2)
     assert _cuda(s) == {CPU_WORKER: None, "gpu-worker-0": None, "gpu-worker-1": None}  # inherit, as before
@@ -155,7 +155,7 @@ def test_settings_gpus_on_a_cpu_box(clean_env):
 
 
 def test_settings_gpus_on_a_gpu_box(clean_env):
-    clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: ("0", "1", "2", "3"))
+    clean_env.setattr("evaldag.runtime.stack.settings.detect_gpu_ids", lambda: ("0", "1", "2", "3"))
     assert _cuda(StackSettings.from_env(num_gpus=2)) == {CPU_WORKER: None, "gpu-worker-0": "0", "gpu-worker-1": "1"}
     assert _cuda(StackSettings.from_env(num_gpus=4, tp=2))["gpu-worker-1"] == "2,3"
     clean_env.setenv("EVALDAG_NUM_GPUS", "4")
@@ -192,7 +192,7 @@ def warnings_said():
 
 
 def test_old_names_of_num_gpus_still_work_and_say_so(clean_env, warnings_said):
-    clean_env.setattr("evaldag.stack.settings.detect_gpu_ids", lambda: None)
+    clean_env.setattr("evaldag.runtime.stack.settings.detect_gpu_ids", lambda: None)
     clean_env.setenv("EVALDAG_NUM_GPUS", "2")
     assert StackSettings.from_env().num_gpus == 2 and warnings_said() == []  # the new name: no warning
     clean_env.delenv("EVALDAG_NUM_GPUS")

@@ -1,4 +1,4 @@
-"""evaldag.liveness without a server: which crashes are the lost-run automation's, how followers wait for a parent
+"""evaldag.runtime.liveness without a server: which crashes are the lost-run automation's, how followers wait for a parent
 to undo one, and what the watchdog does (revive, fence, nothing) with a fake client that returns scripted states."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 from prefect.states import Cancelled, Cancelling, Completed, Crashed, Failed, Running
 
-from evaldag import liveness
-from evaldag.cluster import MIN_HEARTBEAT_S, crash_automation
+from evaldag.runtime import liveness
+from evaldag.runtime.cluster import MIN_HEARTBEAT_S, crash_automation
 
 AUTOMATION_CRASH = crash_automation(MIN_HEARTBEAT_S).actions[0].message
 

@@ -1,4 +1,4 @@
-"""evaldag.node_clock with a fake head: a worker node reads the head's clock from its HTTP Date header and
+"""evaldag.runtime.node_clock with a fake head: a worker node reads the head's clock from its HTTP Date header and
 `evaldag worker` refuses to join beyond the limit, naming the skew and the fix."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from evaldag import node_clock
+from evaldag.runtime import node_clock
 from evaldag.cli import app
 from evaldag.errors import StackError
-from evaldag.stack import Stack
+from evaldag.runtime.stack import Stack
 
 
 def _head_answering(monkeypatch, clock_offset_s: float | None, status: int = 200) -> list[str]:

@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from conftest import free_ports
-from evaldag import postgres as pg
+from evaldag.runtime import postgres as pg
 from evaldag.errors import StackError
-from evaldag.stack import POSTGRES, PREFECT_SERVER, Stack, StackSettings
+from evaldag.runtime.stack import POSTGRES, PREFECT_SERVER, Stack, StackSettings
 
 pytestmark = pytest.mark.stack
 

@@ -83,7 +83,7 @@ class _Run:
 
 
 def test_ctrl_c_off_a_terminal_leaves_the_run_and_says_how_to_cancel(monkeypatch):
-    from evaldag import runner
+    from evaldag.runtime import runner
 
     monkeypatch.setattr(runner, "cancel_flow_run", lambda _id: pytest.fail("cancelled without asking"))
     out = io.StringIO()
@@ -95,7 +95,7 @@ def test_ctrl_c_off_a_terminal_leaves_the_run_and_says_how_to_cancel(monkeypatch
 def test_ctrl_c_on_a_terminal_does_what_the_answer_says(monkeypatch, answer, cancels):
     from rich.prompt import Prompt
 
-    from evaldag import runner
+    from evaldag.runtime import runner
 
     asked, cancelled = [], []
     monkeypatch.setattr(Prompt, "ask", classmethod(lambda cls, q, **kw: asked.append(q) or answer))

@@ -1,7 +1,7 @@
 """Relaunching failed evaluations (issue 22, item 5): at most one live retry per evaluation, and a run a person
 cancelled is not started again unless asked.
 
-The decision is a pure function (evaldag.relaunch), tested on bare states; start_evaluation and the sweeper are
+The decision is a pure function (evaldag.runtime.relaunch), tested on bare states; start_evaluation and the sweeper are
 tested against Prefect's in-process test server (prefect_test_harness): the `eval/math500` deployment exists there
 without a work pool, so the runs it gets stay Scheduled (live) until a test sets their state.
 """
@@ -19,7 +19,7 @@ from conftest import complete_checkpoint
 from prefect import flow
 from prefect.states import Cancelled, Cancelling, Completed, Crashed, Failed, Paused, Pending, Running, Scheduled
 
-from evaldag import relaunch
+from evaldag.runtime import relaunch
 from evaldag.triggers import evaluation_id
 
 KEY = "evaldag-eval:run:10:math500:abcd:ef01"

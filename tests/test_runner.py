@@ -6,7 +6,7 @@ from __future__ import annotations
 import polars as pl
 
 from evaldag.metrics import MEASUREMENT_KEYS, system_metrics
-from evaldag.runner import provenance
+from evaldag.runtime.runner import provenance
 from evaldag.stages import _STAT_COLUMNS
 from evaldag.tracking import differing_results
 
@@ -50,7 +50,7 @@ def test_a_recomputation_says_whose_figures_are_whose_and_warns_on_other_results
 def test_evaldag_run_prints_the_logged_verdicts_after_the_metrics():
     """The verdicts track() logged (tags verdict.vs_*, metrics verdict.vs_*.diff|ci_low|ci_high|p_value|n_problems)
     become one line each, previous / best / baseline in that order; a run without them says so."""
-    from evaldag.runner import verdict_lines
+    from evaldag.runtime.runner import verdict_lines
 
     tags = {"verdict.vs_best": "equivalent", "verdict.vs_best.other": "job@2",
             "verdict.vs_previous": "better", "verdict.vs_previous.other": "job@1", "train_run": "job"}

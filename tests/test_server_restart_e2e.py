@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from cluster_helpers import NewGenerations, children, kill_all, wait_final
-from evaldag.stack import MLFLOW_SERVER, PREFECT_SERVER
+from evaldag.runtime.stack import MLFLOW_SERVER, PREFECT_SERVER
 from evaldag.tracking import experiment_name, load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]

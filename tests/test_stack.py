@@ -27,7 +27,7 @@ from conftest import free_ports
 from evaldag.cli import app
 from evaldag.errors import ConfigError, StackError
 from evaldag.gpus import GPU_LIMIT
-from evaldag.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
+from evaldag.runtime.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
 
 GPU_WORKER = "gpu-worker-0"
 ALL = [PREFECT_SERVER, MLFLOW_SERVER, CPU_WORKER, GPU_WORKER]
@@ -109,7 +109,7 @@ def test_production_keeps_the_real_waits(monkeypatch, tmp_path):
 
 def test_busy_server_answers_are_retried():
     """503 is Prefect's "SQLite busy, retry" (e.g. just after a restart): the stack's own API calls re-send."""
-    from evaldag.stack import _RetryBusy
+    from evaldag.runtime.stack import _RetryBusy
 
     answers = [503, 503, 200]
     seen = []
@@ -325,7 +325,7 @@ def test_a_process_whose_threads_are_still_exiting_is_waited_for(tmp_path):
     """A server whose main thread has exited shows as a zombie while its other threads wind down, and still holds
     its port: stopping it waits for them, so that its replacement can bind the port (CI saw `up` replace a hung
     MLflow server, then find the port busy, or the old process still there)."""
-    from evaldag.stack.processes import _bind_error
+    from evaldag.runtime.stack.processes import _bind_error
 
     proc = subprocess.Popen([sys.executable, "-c", _EXITING_SERVER], stdout=subprocess.PIPE, text=True)
     port = int(proc.stdout.readline())
@@ -346,7 +346,7 @@ def test_a_port_still_being_released_is_waited_for_after_a_stop_only(tmp_path):
     component that used it; before starting, a blocked port fails at once, naming the port."""
     import threading
 
-    from evaldag.stack.processes import _Spec
+    from evaldag.runtime.stack.processes import _Spec
 
     blocker = socket.socket()          # bound, not listening, no SO_REUSEADDR: blocks the bind, holder unknown
     blocker.bind(("127.0.0.1", 0))
@@ -420,7 +420,7 @@ with get_client(sync_client=True) as client:
 
 
 def _flow_run_processes(stack_id: str) -> list[psutil.Process]:
-    """A flow run's engine is `python -c ...prefect.engine` (evaldag.flow_run_launcher.module_command)."""
+    """A flow run's engine is `python -c ...prefect.engine` (evaldag.runtime.flow_run_launcher.module_command)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):

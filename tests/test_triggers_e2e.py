@@ -252,7 +252,7 @@ def test_prefect_server_restart_loses_no_event(triggers):
     delivered and evaluated. It and the tests after it restart the shared stack's server."""
     import psutil
 
-    from evaldag.stack import PREFECT_SERVER
+    from evaldag.runtime.stack import PREFECT_SERVER
 
     ckpt = _checkpoint("restart-run", 400)
     spool = ROOT.parent / "spool-d"
@@ -276,7 +276,7 @@ def _stop_right_after_accepting(triggers, run: str, step: int, how: str) -> Path
     `evaldag up` brings it back. Returns the checkpoint."""
     import psutil
 
-    from evaldag.stack import PREFECT_SERVER
+    from evaldag.runtime.stack import PREFECT_SERVER
 
     ckpt = _checkpoint(run, step)
     notifier = CheckpointNotifier(train_run=run, api_url=triggers.settings.prefect_api_url, benchmarks=["math500"],

@@ -14,7 +14,7 @@ automation (`crash_automation`) that sets a run Crashed when `3 * heartbeat_s` s
 without another heartbeat or a final state. The parent's launch task then relaunches the shard on a live worker.
 Only flow runs tagged `evaldag` are watched: a flow run of anything else on the same server, with Prefect's default
 180 s heartbeat, must never be crashed by a 90 s window. The window is judged on the head's wall clock: after a clock
-step, a pause of the head or a partition, runs that still live can be crashed too; evaldag.liveness undoes that
+step, a pause of the head or a partition, runs that still live can be crashed too; evaldag.runtime.liveness undoes that
 (an evaluation sets itself Running again, a shard stops and is relaunched).
 """
 

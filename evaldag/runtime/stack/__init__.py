@@ -2,7 +2,7 @@
 
 Two roles share this code. A head (`evaldag up`) runs the servers (Prefect on SQLite, or on PostgreSQL: a private
 cluster with `--postgres`, any server with `--database-url`), the pools, a `cpu` worker and its own gpu workers,
-and publishes what worker nodes need (evaldag.cluster). A worker node (`evaldag worker --server http://head:4200`,
+and publishes what worker nodes need (evaldag.runtime.cluster). A worker node (`evaldag worker --server http://head:4200`,
 `StackSettings.server` set) runs only its gpu workers, pointed at the head. Every worker sends flow-run heartbeats
 (`heartbeat_s`), and the head's crash automation turns a run whose heartbeats stop into Crashed (lost nodes).
 
@@ -15,7 +15,7 @@ Everything lives under one state directory, `evaldag.paths.home()`:
     <home>/mlflow/           mlflow.db (SQLite backend store) and artifacts/
     <home>/logs/<name>.log   stdout+stderr of every component, and deploy.log
     <home>/stack/state.json  what `up` started: pid + process create time (so a recycled pid is never ours), URLs
-    evaldag.postgres.default_dir(home)   the private PostgreSQL cluster, when asked for (`--postgres`)
+    evaldag.runtime.postgres.default_dir(home)   the private PostgreSQL cluster, when asked for (`--postgres`)
 
 `Stack.up()` is idempotent: a component that is alive, ours and configured as asked is left alone; a dead one, a
 server that does not answer (stopping, or hung), or one started with another configuration, is (re)started.
@@ -42,13 +42,13 @@ import shlex
 import time
 from pathlib import Path
 
-from evaldag import postgres as pg
-from evaldag.stack.components import Components
-from evaldag.stack.prefect_setup import PrefectSetup, _RetryBusy
-from evaldag.stack.processes import STOP_ORDER, ProcessSupervisor, _Spec
-from evaldag.stack.settings import (CPU_WORKER, MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, SERVERS, STACK_ID_ENV,
+from evaldag.runtime import postgres as pg
+from evaldag.runtime.stack.components import Components
+from evaldag.runtime.stack.prefect_setup import PrefectSetup, _RetryBusy
+from evaldag.runtime.stack.processes import STOP_ORDER, ProcessSupervisor, _Spec
+from evaldag.runtime.stack.settings import (CPU_WORKER, MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, SERVERS, STACK_ID_ENV,
                                     STATE_VERSION, ComponentStatus, StackSettings, UpReport)
-from evaldag.stack.state import StateFile
+from evaldag.runtime.stack.state import StateFile
 
 
 class Stack(Components, ProcessSupervisor, PrefectSetup, StateFile):

@@ -11,12 +11,14 @@ import socket
 import sys
 from pathlib import Path
 
-from evaldag import cluster, paths, store
-from evaldag import postgres as pg
-from evaldag.deployments import CPU_POOL, GPU_POOL
+from evaldag import paths, store
+
+from evaldag.runtime import cluster
+from evaldag.runtime import postgres as pg
+from evaldag.runtime.deployments import CPU_POOL, GPU_POOL
 from evaldag.errors import StackError
-from evaldag.stack.processes import _cli, _repo, _Spec
-from evaldag.stack.settings import (_STACK_ENV, CPU_WORKER, MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, STACK_ID_ENV,
+from evaldag.runtime.stack.processes import _cli, _repo, _Spec
+from evaldag.runtime.stack.settings import (_STACK_ENV, CPU_WORKER, MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, STACK_ID_ENV,
                                     StackSettings)
 
 # MLflow's default allowed Host headers (mlflow.server.security_utils): a head reached by a name needs it added
@@ -29,7 +31,7 @@ MLFLOW_RETRIES = 2
 
 
 class Components:
-    """The specs of the stack's components (a part of `evaldag.stack.Stack`)."""
+    """The specs of the stack's components (a part of `evaldag.runtime.stack.Stack`)."""
 
     settings: StackSettings
     home: Path
@@ -131,7 +133,7 @@ class Components:
 
     def _node_specs(self, common: dict[str, str]) -> dict[str, _Spec]:
         """A worker node's gpu workers: the head's Prefect API, its published MLflow URL, result store and
-        settings (evaldag.cluster), the node's `worker_env` over them, and this node's own state folder."""
+        settings (evaldag.runtime.cluster), the node's `worker_env` over them, and this node's own state folder."""
         s = self.settings
         info = self._head_info()
         # the block is only as trustworthy as the Prefect API: take what the allow-list names, nothing that could
@@ -245,7 +247,7 @@ class Components:
 
     @property
     def postgres_dir(self) -> Path:
-        """Folder of the private PostgreSQL cluster (settings.postgres_dir, else evaldag.postgres.default_dir)."""
+        """Folder of the private PostgreSQL cluster (settings.postgres_dir, else evaldag.runtime.postgres.default_dir)."""
         d = self.settings.postgres_dir
         return Path(d).expanduser().resolve() if d else pg.default_dir(self.home)
 

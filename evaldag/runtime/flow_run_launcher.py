@@ -1,4 +1,4 @@
-"""The command the local stack's process workers start each flow run with: `python -m evaldag.flow_run_launcher`.
+"""The command the local stack's process workers start each flow run with: `python -m evaldag.runtime.flow_run_launcher`.
 
 Prefect's process worker, left without a command, starts a flow run through its workspace supervisor: a Python
 process that imports Prefect (3-4 s of a 2-core box, measured) to run the deployment's pull step and then start

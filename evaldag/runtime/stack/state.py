@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Iterator
 
 from evaldag.errors import StackError
-from evaldag.stack.settings import STATE_VERSION, StackSettings
+from evaldag.runtime.stack.settings import STATE_VERSION, StackSettings
 
 
 class StateFile:
-    """Reading and writing the state file (a part of `evaldag.stack.Stack`)."""
+    """Reading and writing the state file (a part of `evaldag.runtime.stack.Stack`)."""
 
     settings: StackSettings
     home: Path

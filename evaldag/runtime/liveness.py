@@ -1,6 +1,6 @@
 """A flow run that the lost-run automation set Crashed while its process still runs.
 
-The automation (evaldag.cluster.crash_automation) judges silence on the server's wall clock. A clock step on the head
+The automation (evaldag.runtime.cluster.crash_automation) judges silence on the server's wall clock. A clock step on the head
 (NTP, a VM resumed after a pause) or a network partition longer than the window makes every live run look silent
 at once, and the automation crashes them all. What each kind of run does when it finds itself crashed that way:
 - an evaluation (the parent flow) is the only one that will ever finish its evaluation: it sets itself Running
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from evaldag.cluster import CRASH_AUTOMATION
+from evaldag.runtime.cluster import CRASH_AUTOMATION
 
 # Each poll costs the server CPU (every 5 s: 0.4 % of a core per run, docs/performance.md). Prefect's own heartbeat
 # is every 30 s.
@@ -84,7 +84,7 @@ def _state_before_crash(client: Any, flow_run_id: Any) -> Any:
 def fence(client: Any, flow_run_id: Any, crashed: Any) -> None:
     """Stop this flow run's processes: it was declared lost and its parent relaunches it. SIGTERM to the run's
     process group, as a worker's cancellation sends it: the engine and its children (vLLM's workers) stop the way
-    they do for any stop. Only for a run that leads its own group (a deployed run; evaldag.flow_run_launcher)."""
+    they do for any stop. Only for a run that leads its own group (a deployed run; evaldag.runtime.flow_run_launcher)."""
     log.warning("flow run %s was set Crashed by %r while it still runs; its parent relaunches it, so this process "
                 "stops", flow_run_id, CRASH_AUTOMATION)
     os.killpg(os.getpgrp(), signal.SIGTERM)

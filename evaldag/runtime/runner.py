@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import time
 
-from evaldag import liveness, progress
-from evaldag.deployments import benchmark_deployments, eval_deployment
+from evaldag import progress
+
+from evaldag.runtime import liveness
+from evaldag.runtime.deployments import benchmark_deployments, eval_deployment
 from evaldag.errors import EvalDagError, StackError
-from evaldag.stack import Stack
+from evaldag.runtime.stack import Stack
 
 
 def point_clients_at_stack(stack: Stack, need_prefect: bool = True) -> None:
@@ -69,7 +71,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
                 snap = progress.snapshot(client, fr.id)
                 display.update(fr.state.name if fr.state else "Pending", snap)
                 if fr.state and fr.state.is_final():
-                    run_id = fr.id   # a false crash that the evaluation undoes is not its end (evaldag.liveness)
+                    run_id = fr.id   # a false crash that the evaluation undoes is not its end (evaldag.runtime.liveness)
                     fr = liveness.settled(lambda: client.read_flow_run(run_id))
                     if fr.state.is_final():
                         break

@@ -13,7 +13,9 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from evaldag import cluster, paths
+from evaldag import paths
+
+from evaldag.runtime import cluster
 from evaldag.errors import EvalDagError, StackError, warn_deprecated
 from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
@@ -84,10 +86,10 @@ class StackSettings(BaseModel):
                                               "stack starts (EVALDAG_POSTGRES=1, `--postgres`).")
     postgres_port: int = Field(5433, ge=1, le=65535, description="Port of that cluster on 127.0.0.1.")
     postgres_dir: Path | None = Field(None, description="Folder of that cluster (EVALDAG_POSTGRES_DIR); default "
-                                                        "evaldag.postgres.default_dir(home).")
+                                                        "evaldag.runtime.postgres.default_dir(home).")
     server: str | None = Field(
         None, description="Set on a worker node: the head's Prefect URL (http://head:4200). The node runs only "
-                          "gpu workers, configured from the head (evaldag.cluster) and `worker_env`.")
+                          "gpu workers, configured from the head (evaldag.runtime.cluster) and `worker_env`.")
     node_name: str = Field(default_factory=socket.gethostname, min_length=1,
                            description="Name of a worker node (EVALDAG_NODE_NAME): prefix of its workers' names.")
     worker_env: dict[str, str] = Field(default_factory=dict, description="Variables a worker node's workers get "
@@ -227,7 +229,7 @@ class StackSettings(BaseModel):
 
     @property
     def public_host(self) -> str:
-        """The address other hosts use (advertise_host, else evaldag.cluster.public_host(host))."""
+        """The address other hosts use (advertise_host, else evaldag.runtime.cluster.public_host(host))."""
         return self.advertise_host or cluster.public_host(self.host)
 
     @property

@@ -65,7 +65,7 @@ def is_deliberate_cancel(state: Any) -> bool:
     The rule: every Cancelled state counts as a person's, except the few that Prefect's server makes by itself
     (`AUTOMATIC_CANCEL_MESSAGES`). A person cancels through the UI, `prefect flow-run cancel`, `evaldag run`'s
     Ctrl-C or by cancelling the parent flow run: all of these end Cancelled. Automation never does: a worker that
-    loses its run, the lost-run automation (evaldag.cluster) and a killed process all end Crashed, an error ends
+    loses its run, the lost-run automation (evaldag.runtime.cluster) and a killed process all end Crashed, an error ends
     Failed, and those are retried. A doubtful cancel is therefore kept rather than undone: undoing a person's cancel
     every hour is the failure this rule exists to stop, and `include_cancelled` starts such runs on request."""
     if state is None or not state.is_cancelled():

@@ -26,7 +26,7 @@ import psutil
 
 from evaldag import paths
 from evaldag.errors import StackError
-from evaldag.stack.settings import MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, STACK_ID_ENV, StackSettings
+from evaldag.runtime.stack.settings import MLFLOW_SERVER, POSTGRES, PREFECT_SERVER, STACK_ID_ENV, StackSettings
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # components started by this process, reaped once they exit
 
@@ -51,7 +51,7 @@ STOP_ORDER = {"worker": 0, "server": 1, "db": 2}
 
 
 class ProcessSupervisor:
-    """Starting, recognising and stopping component processes (a part of `evaldag.stack.Stack`)."""
+    """Starting, recognising and stopping component processes (a part of `evaldag.runtime.stack.Stack`)."""
 
     settings: StackSettings
     home: Path

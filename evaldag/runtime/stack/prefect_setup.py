@@ -14,18 +14,22 @@ from typing import Any
 
 import httpx
 
-from evaldag import cluster, paths, prefect_results
-from evaldag import postgres as pg
-from evaldag.deployments import CPU_POOL, MANIFEST, POOLS
+from evaldag import paths
+
+from evaldag.runtime import cluster, prefect_results
+from evaldag.runtime import postgres as pg
+from evaldag.runtime.deployments import CPU_POOL, MANIFEST, POOLS
 from evaldag.errors import StackError
 from evaldag.gpus import GPU_LIMIT
-from evaldag.stack.processes import _cli, _log_tail, _repo, _tail
-from evaldag.stack.settings import POSTGRES, PREFECT_SERVER, StackSettings
+from evaldag.runtime.stack.processes import _cli, _log_tail, _repo, _tail
+from evaldag.runtime.stack.settings import POSTGRES, PREFECT_SERVER, StackSettings
 
-# How the local pools' workers start a flow run: evaldag.flow_run_launcher, one bare interpreter start instead of
+# How the local pools' workers start a flow run: evaldag.runtime.flow_run_launcher, one bare interpreter start instead of
 # Prefect's workspace supervisor (seconds of imports per flow run, docs/performance.md). `python` is the workers' environment's:
 # they run with its bin folder first on PATH (the pool is shared by every host, each with its own environment).
-FLOW_RUN_COMMAND = "python -m evaldag.flow_run_launcher"
+FLOW_RUN_COMMAND = "python -m evaldag.runtime.flow_run_launcher"
+# What earlier versions of evaldag set: a pool that still holds one is given FLOW_RUN_COMMAND (the module moved)
+_FORMER_COMMANDS = frozenset({"python -m evaldag.flow_run_launcher"})
 
 
 class _RetryBusy(httpx.BaseTransport):
@@ -50,7 +54,7 @@ class _RetryBusy(httpx.BaseTransport):
 
 
 class PrefectSetup:
-    """The Prefect server side of the stack (a part of `evaldag.stack.Stack`)."""
+    """The Prefect server side of the stack (a part of `evaldag.runtime.stack.Stack`)."""
 
     settings: StackSettings
     home: Path
@@ -155,13 +159,14 @@ class PrefectSetup:
 
     @staticmethod
     def _update_pool(client: httpx.Client, pool: str, existing: dict) -> None:
-        """Check that an existing pool is a process pool; give it FLOW_RUN_COMMAND if it has no command."""
+        """Check that an existing pool is a process pool; give it FLOW_RUN_COMMAND if it has no command or one that
+        an earlier evaldag set (_FORMER_COMMANDS); a command of the user's own stays."""
         if existing.get("type") != "process":
             raise StackError(f"work pool {pool!r} exists with type {existing.get('type')!r}, expected "
                              f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
         template = existing.get("base_job_template") or {}
         command = template.get("variables", {}).get("properties", {}).get("command")
-        if command is not None and command.get("default") is None:
+        if command is not None and (command.get("default") is None or command["default"] in _FORMER_COMMANDS):
             command["default"] = FLOW_RUN_COMMAND
             r = client.patch(f"/work_pools/{pool}", json={"base_job_template": template})
             if r.status_code not in (200, 204):

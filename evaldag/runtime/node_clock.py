@@ -1,8 +1,8 @@
 """A worker node's clock against its head's: `evaldag worker` refuses to join a head whose clock is far off.
 
 A flow run's heartbeat event carries the time its node's clock gave it, and the head's lost-run automation
-(evaldag.cluster.crash_automation) measures its window from that time on the head's clock. A node whose clock lags
-the head's by a good part of the window gets its live runs crashed as lost, over and over (evaldag.liveness then
+(evaldag.runtime.cluster.crash_automation) measures its window from that time on the head's clock. A node whose clock lags
+the head's by a good part of the window gets its live runs crashed as lost, over and over (evaldag.runtime.liveness then
 fences its shards and they are relaunched, to be crashed again). The head's clock is read from the HTTP Date header
 of its Prefect API, which every answer carries (a 401 of an API behind auth as well).
 """
