@@ -127,6 +127,21 @@ def batches_one_by_one(engine: Engine, batches: list[tuple[int, list[str]]],
         yield b, engine.generate_batch(prompts, sampling, b)
 
 
+class EngineBase:
+    """What the engines share: `generate` runs the plan's batches (generate_in_batches); `generate_batches` runs
+    one generate_batch after another, an engine with static batches (transformers, a server's requests). vLLM
+    overrides it to keep every batch in its scheduler at once."""
+
+    def generate_batches(self, batches: list[tuple[int, list[str]]],
+                         sampling: SamplingConfig) -> Iterator[tuple[int, list[list[Completion]]]]:
+        """Static batching: one batch after another (see Engine.generate_batches)."""
+        return batches_one_by_one(self, batches, sampling)
+
+    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
+        return generate_in_batches(self, prompts, sampling)
+
+
 def generate_in_batches(engine: Engine, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
     """`Engine.generate` for any engine: its plan's batches one after another, results in the order of `prompts`
     (a shard's progress is evaldag.stages', per request)."""

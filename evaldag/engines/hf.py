@@ -18,8 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import (Completion, batches_by_length, batches_one_by_one, chat_text,
-                                  generate_in_batches)
+from evaldag.engines.base import Completion, EngineBase, batches_by_length, chat_text
 from evaldag.engines.context import PromptFit, config_window
 
 
@@ -50,7 +49,7 @@ def vocabulary_fingerprint(tokenizer) -> int:
     return int.from_bytes(digest.digest()[:8], "big")
 
 
-class HFEngine:
+class HFEngine(EngineBase):
     """Hugging Face transformers generation on CPU or a single GPU.
 
     The KV cache is "static" (preallocated for prompt + max_new_tokens): the default dynamic cache grows by
@@ -111,14 +110,6 @@ class HFEngine:
         """One batch of a plan_batches() plan; the seed depends on the batch's index, so a batch generated again
         (after a crash) gives the same completions as the first time."""
         return self._generate_batch([self._format(p) for p in prompts], sampling, seed=sampling.seed + batch_index)
-
-    def generate_batches(self, batches, sampling):
-        """Static batching: one batch after another (see Engine.generate_batches)."""
-        return batches_one_by_one(self, batches, sampling)
-
-    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
-        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        return generate_in_batches(self, prompts, sampling)
 
     def _generate_batch(self, texts: list[str], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import httpx
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import Completion, batches_by_length, batches_one_by_one, generate_in_batches
+from evaldag.engines.base import Completion, EngineBase, batches_by_length
 from evaldag.engines.context import PromptFit
 from evaldag.engines.vllm import sample_seed
 from evaldag.errors import ConfigError, EvalDagError
@@ -287,7 +287,7 @@ def describe_server(engine_args: dict, revision: str | None = None) -> tuple[str
     return f"{settings.model} @ {settings.base_url}", server_fingerprint(settings, entry, revision)
 
 
-class OpenAIEngine:
+class OpenAIEngine(EngineBase):  # batches one after another: a batch's requests already run `concurrency` at a time
     """A model behind an OpenAI-compatible server, behind the evaldag engine interface (see the module docstring)."""
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32, **engine_args) -> None:
@@ -357,15 +357,6 @@ class OpenAIEngine:
         for fut, (i, k) in futures.items():
             out[i][k] = fut.result()
         return out  # type: ignore[return-value]
-
-    def generate_batches(self, batches, sampling):
-        """One batch after another (see Engine.generate_batches): the requests of a batch already run `concurrency`
-        at a time, and the server batches them with whatever else it serves."""
-        return batches_one_by_one(self, batches, sampling)
-
-    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
-        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        return generate_in_batches(self, prompts, sampling)
 
     def _payload(self, prompt: str, sampling: SamplingConfig, seed: int) -> dict:
         payload = {"model": self.settings.model, "messages": [{"role": "user", "content": prompt}],

@@ -39,8 +39,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from evaldag.config import SamplingConfig
-from evaldag.engines.base import (Completion, Event, Finished, Request, Running, batches_by_length,
-                                  chat_text, generate_in_batches)
+from evaldag.engines.base import (Completion, EngineBase, Event, Finished, Request, Running, batches_by_length,
+                                  chat_text)
 from evaldag.engines.context import PromptFit
 from evaldag.engines.workload import Workload
 from evaldag.errors import ConfigError, MissingDependencyError
@@ -197,7 +197,7 @@ def sample_seed(seed: int, batch_index: int, position: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1      # vLLM wants a non-negative int64
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """vLLM's offline `LLM` behind the evaldag engine interface (see the module docstring)."""
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32,
@@ -373,10 +373,6 @@ class VLLMEngine:
                 batch_size=batch_size,
             ))
         return comps
-
-    def generate(self, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
-        """Generate `sampling.n` completions per prompt; results come back in the order of `prompts`."""
-        return generate_in_batches(self, prompts, sampling)
 
     # -- scoring ----------------------------------------------------------------------------------------------
     def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
