@@ -11,7 +11,7 @@ import pytest
 from evaldag import engines
 from evaldag.config import SamplingConfig
 from evaldag.engines import Workload
-from evaldag.engines.vllm import ModelShape, fit_to_workload, fitted_kv_bytes, fitted_max_model_len, model_shape
+from evaldag.engines.vllm_args import ModelShape, fit_to_workload, fitted_kv_bytes, fitted_max_model_len, model_shape
 from evaldag.errors import ConfigError
 from evaldag.models import resolve_model
 

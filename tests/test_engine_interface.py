@@ -27,7 +27,7 @@ def test_modules_vllm_cannot_scan_are_hidden_while_it_starts_and_put_back():
     import sys
     import types
 
-    from evaldag.engines.vllm import _modules_hidden_from_vllm_scan
+    from evaldag.engines.vllm_process import modules_hidden_from_vllm_scan
 
     class Raising:
         def __getattribute__(self, name):
@@ -37,7 +37,7 @@ def test_modules_vllm_cannot_scan_are_hidden_while_it_starts_and_put_back():
     bad.proxy, good.value = Raising(), 3
     sys.modules[bad.__name__], sys.modules[good.__name__] = bad, good
     try:
-        with _modules_hidden_from_vllm_scan():
+        with modules_hidden_from_vllm_scan():
             assert bad.__name__ not in sys.modules
             assert sys.modules[good.__name__] is good
         assert sys.modules[bad.__name__] is bad

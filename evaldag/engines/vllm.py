@@ -31,165 +31,19 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import os
-import sys
 import time
-import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from evaldag.config import SamplingConfig
 from evaldag.engines.base import (Completion, EngineBase, Event, Finished, Request, Running, batches_by_length,
                                   chat_text)
 from evaldag.engines.context import PromptFit
+from evaldag.engines.vllm_args import CPU_KV_ENV, ModelShape, fit_to_workload, model_shape, validate_engine_args
+from evaldag.engines.vllm_process import (cpu_setup, descendants, env_hidden, is_resource_tracker,
+                                          modules_hidden_from_vllm_scan)
 from evaldag.engines.workload import Workload
-from evaldag.errors import ConfigError, MissingDependencyError
-
-# name -> (accepted types, what it does). Values go to vllm.LLM unless handled below (kv_cache_space_gb).
-ENGINE_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
-    "tensor_parallel_size": ((int,), "GPUs one shard's model is split over (tensor parallelism)"),
-    "pipeline_parallel_size": ((int,), "pipeline stages (GPUs) one shard's model is split over"),
-    "data_parallel_size": ((int,), "only 1: the offline LLM refuses more in one process; evaldag's shards are "
-                                   "the data parallelism (num_shards, one GPU worker per GPU)"),
-    "gpu_memory_utilization": ((float, int), "share of GPU memory for weights, activations and KV cache (0-1]"),
-    "max_model_len": ((int,), "context length (prompt + completion); default the model's"),
-    "max_num_seqs": ((int,), "sequences vLLM runs at once inside a batch"),
-    "max_num_batched_tokens": ((int,), "tokens per scheduler step"),
-    "kv_cache_space_gb": ((int, float), "KV cache size in GiB (CPU: default what the shard needs, at most 2; "
-                                        "GPU: kv_cache_memory_bytes, overrides gpu_memory_utilization)"),
-    "speculative_ngram": ((bool,), "n-gram (prompt lookup) speculation for greedy shards: true/false (default: "
-                                   "true on CPU, false on GPU)"),
-    "enforce_eager": ((bool,), "no CUDA graphs / no compilation (default: True on CPU, vLLM's default on GPU)"),
-    "enable_prefix_caching": ((bool,), "reuse KV of shared prompt prefixes"),
-    "quantization": ((str,), "weight quantization method, e.g. 'fp8', 'awq'"),
-    "cpu_offload_gb": ((int, float), "GiB of weights kept in CPU memory (GPU)"),
-    "distributed_executor_backend": ((str,), "'mp' or 'ray' for tensor/pipeline parallelism"),
-    "trust_remote_code": ((bool,), "run the checkpoint's own modelling code"),
-}
-# Keys GPU users know from older vLLM, with what to do instead.
-_GONE = {"swap_space": "vLLM V1 has no CPU swap space (preempted sequences are recomputed); drop it",
-         "seed": "the sampling seed comes from the benchmark's sampling config (sampling.seed)",
-         "dtype": "dtype is the model config's own field (dtype:), not an engine_arg"}
-
-# vLLM CPU's own default is 4 GiB; 2 is as fast for eval batches and leaves RAM to others. A smaller shard gets what
-# its sequences need at full length (fitted_kv_bytes): fresh memory is slow to hand out on a VM. Figures:
-# docs/performance.md, "The figures behind settings in the code".
-_CPU_KV_DEFAULT_GB = 2
-_KV_STEP = 64 * 2**20
-# n-gram speculation (vLLM proposes the next tokens from the text so far, the model checks them in one step): it
-# is lossless only for greedy requests, and pays most where decoding is memory-bound (few sequences); measured on
-# CPU only (docs/performance.md), so off on a GPU.
-_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-
-
-def validate_engine_args(args: dict) -> dict:
-    """Check `args` against ENGINE_ARGS; raise ConfigError naming a bad key or value and the allowed keys."""
-    allowed = ", ".join(sorted(ENGINE_ARGS))
-    for key, value in args.items():
-        if key in _GONE:
-            raise ConfigError(f"vllm engine_args: {key!r} is not accepted: {_GONE[key]}; allowed: {allowed}")
-        if key not in ENGINE_ARGS:
-            raise ConfigError(f"vllm engine_args: unknown key {key!r}; allowed: {allowed}")
-        types, what = ENGINE_ARGS[key]
-        # bool is an int in Python; only accept it where a bool is meant
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise ConfigError(f"vllm engine_args: {key}={value!r} must be {'/'.join(t.__name__ for t in types)} "
-                              f"({what})")
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens"):
-        if key in args and args[key] < 1:
-            raise ConfigError(f"vllm engine_args: {key} must be >= 1, got {args[key]}")
-    if args.get("data_parallel_size", 1) != 1:
-        raise ConfigError(f"vllm engine_args: data_parallel_size={args['data_parallel_size']} is not supported: "
-                          f"{ENGINE_ARGS['data_parallel_size'][1]}")
-    if "gpu_memory_utilization" in args and not 0 < args["gpu_memory_utilization"] <= 1:
-        raise ConfigError(f"vllm engine_args: gpu_memory_utilization must be in (0, 1], got "
-                          f"{args['gpu_memory_utilization']}")
-    if "kv_cache_space_gb" in args and args["kv_cache_space_gb"] <= 0:
-        raise ConfigError(f"vllm engine_args: kv_cache_space_gb must be > 0, got {args['kv_cache_space_gb']}")
-    return args
-
-
-_CPU_KV_ENV = "VLLM_CPU_KVCACHE_SPACE"          # the CPU build's KV cache size in whole GiB
-_CONTEXT_STEP = 256     # fitted windows are rounded up to this: a little slack costs nothing measurable
-
-
-def fitted_max_model_len(context_tokens: int, window: int | None) -> int | None:
-    """The max_model_len for requests of up to `context_tokens` tokens on a model whose window is `window`: rounded
-    up to _CONTEXT_STEP, and None (vLLM's default: the whole window) when that would not be smaller than the window
-    or the window is unknown (requests that do not fit the whole window are refused before generation,
-    evaldag.engines.context)."""
-    if context_tokens < 1:
-        raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
-    fit = -(-context_tokens // _CONTEXT_STEP) * _CONTEXT_STEP
-    return fit if window and fit < window else None
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizing needs of a checkpoint: its context window, and its KV cache bytes per token at a dtype."""
-
-    window: int | None                  # max_position_embeddings; None when the config states none
-    kv_bytes_per_token: int | None      # None for an architecture whose cache is not plain K/V per layer
-
-
-def model_shape(model_path: str, dtype: str, trust_remote_code: bool = False) -> ModelShape:
-    """The checkpoint's shape as its config states it; unknowns are None (vLLM then decides, as without sizing)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError):
-        return ModelShape(None, None)
-    text = getattr(config, "get_text_config", lambda: config)()
-    window = getattr(text, "max_position_embeddings", None)
-    layers, heads = getattr(text, "num_hidden_layers", None), getattr(text, "num_attention_heads", None)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else None)
-    plain = all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim))
-    return ModelShape(window if isinstance(window, int) and window > 0 else None,
-                      2 * layers * kv_heads * head_dim * (4 if dtype == "float32" else 2) if plain else None)
-
-
-def fitted_kv_bytes(workload: Workload, max_model_len: int, kv_bytes_per_token: int) -> int:
-    """A CPU KV cache that holds every sequence of `workload` at full length at once (so none waits or is
-    preempted), with a tenth to spare, in steps of 64 MiB, and at most the 2 GiB default."""
-    need = int(workload.sequences * max_model_len * kv_bytes_per_token * 1.1)
-    return min(-(-need // _KV_STEP) * _KV_STEP, _CPU_KV_DEFAULT_GB * 2**30)
-
-
-def fit_to_workload(args: dict, workload: Workload | None, shape: ModelShape, on_cpu: bool) -> dict:
-    """The vLLM arguments for serving `workload` (None: anything), from the validated engine_args `args`: the
-    context window fitted to the longest sequence, on CPU the KV cache fitted to the sequences, n-gram
-    speculation for a greedy workload and whole-prompt prefills for any other. What the user set in `args` wins,
-    except chunked prefill under sampling on CPU, which the CPU build cannot run."""
-    args = dict(args)
-    if workload is not None and "max_model_len" not in args:
-        if (fit := fitted_max_model_len(workload.context_tokens, shape.window)) is not None:
-            args["max_model_len"] = fit
-    speculate = args.pop("speculative_ngram", None)
-    if workload is not None and workload.greedy and (speculate if speculate is not None else on_cpu):
-        args["speculative_config"] = dict(_NGRAM)
-    if on_cpu and not (workload is not None and workload.greedy):
-        # Whole-prompt prefills for sampled requests on CPU. vLLM samples a token for a prompt whose prefill was
-        # split across steps, discards it and rewinds that request's seeded generator; torch's CPU generator has no
-        # offset to rewind, so the engine died ("CPU Generator does not use offset") once a shard's prompts passed
-        # the 4096-token step budget. Greedy requests carry no generator. vLLM then
-        # schedules max(max_model_len, its default) tokens per step.
-        args["enable_chunked_prefill"] = False
-        if args.get("max_num_batched_tokens", 1 << 62) < args.get("max_model_len", 0):
-            raise ConfigError(f"vllm engine_args: max_num_batched_tokens={args['max_num_batched_tokens']} is below "
-                              f"max_model_len={args['max_model_len']}; on CPU a sampled shard schedules every prompt "
-                              "whole, so raise max_num_batched_tokens to at least max_model_len (or drop it)")
-    kv_gb = args.pop("kv_cache_space_gb", None)
-    if kv_gb is not None:
-        args["kv_cache_memory_bytes"] = int(kv_gb * 2**30)
-    elif on_cpu and not os.environ.get(_CPU_KV_ENV):        # the environment variable is the user's setting too
-        fitted = workload is not None and "max_model_len" in args and shape.kv_bytes_per_token
-        args["kv_cache_memory_bytes"] = (fitted_kv_bytes(workload, args["max_model_len"], shape.kv_bytes_per_token)
-                                         if fitted else _CPU_KV_DEFAULT_GB * 2**30)
-    return args
-
+from evaldag.errors import MissingDependencyError
 
 def sample_seed(seed: int, batch_index: int, position: int) -> int:
     """The sampler seed of one prompt: a hash, so nearby (seed, batch, position) triples give unrelated streams."""
@@ -214,7 +68,7 @@ class VLLMEngine(EngineBase):
 
         self.on_cpu = current_platform.is_cpu()
         if self.on_cpu:
-            args = {**_cpu_setup(), **args}
+            args = {**cpu_setup(), **args}
         explicit_kv = "kv_cache_space_gb" in args
         self._window_set = "max_model_len" in args        # the user's window, named in an overflow error
         shape = (model_shape(model_path, dtype, args.get("trust_remote_code", False)) if workload is not None
@@ -228,12 +82,12 @@ class VLLMEngine(EngineBase):
         self._requests = 0
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
-        before = {p.pid for p in _descendants()}
+        before = {p.pid for p in descendants()}
         # the CPU build lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes: an explicit engine_arg wins
-        with _modules_hidden_from_vllm_scan(), _env_hidden(_CPU_KV_ENV if explicit_kv else None):
+        with modules_hidden_from_vllm_scan(), env_hidden(CPU_KV_ENV if explicit_kv else None):
             self.llm = LLM(model=model_path, dtype=dtype, seed=0, **args)
         # The processes vLLM started (engine core, workers), to make sure close() leaves none behind.
-        self._procs = [p for p in _descendants() if p.pid not in before and not _is_resource_tracker(p)]
+        self._procs = [p for p in descendants() if p.pid not in before and not is_resource_tracker(p)]
         # Stop on the same ids as the transformers engine: generation_config's eos ids plus the tokenizer's.
         try:
             gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -427,68 +281,6 @@ class VLLMEngine(EngineBase):
             self._procs = []
 
 
-def _cpu_setup() -> dict:
-    """Set the CPU build's process settings (the caller's environment wins) and return the vLLM arguments it needs."""
-    # By default it keeps one CPU for the frontend; on a small box that CPU is missed by the model more
-    # (docs/performance.md).
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # The engine core in this process instead of a spawned one: the spawn re-imports vLLM and torch, which
-    # tripled the start (docs/performance.md); on a CPU the second process buys no overlap, both compete for the
-    # same cores.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # vLLM drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is set; a shard owns its slot's
-    # cores (EVALDAG_TORCH_THREADS, set by the stack when slots share a host's cores).
-    os.environ.setdefault("OMP_NUM_THREADS",
-                          os.environ.get("EVALDAG_TORCH_THREADS") or str(len(os.sched_getaffinity(0))))
-    # No CUDA graphs on CPU, and compile mode needs triton-cpu (not installed): eager is the working mode.
-    return {"enforce_eager": True}
-
-
-@contextlib.contextmanager
-def _env_hidden(name: str | None) -> Iterator[None]:
-    """Without the environment variable `name` inside the block (None: change nothing)."""
-    value = os.environ.pop(name, None) if name else None
-    try:
-        yield
-    finally:
-        if value is not None:
-            os.environ[name] = value
-
-
-def _unscannable(value: object) -> bool:
-    try:        # what vLLM's scan does with every module global
-        if hasattr(value, "__dict__"):
-            vars(value).get("kernel")
-    except Exception:               # noqa: BLE001 - exactly what breaks vLLM's scan
-        return True
-    return False
-
-
-@contextlib.contextmanager
-def _modules_hidden_from_vllm_scan() -> Iterator[None]:
-    """Take out of sys.modules, while vLLM starts, the modules whose globals cannot be probed with hasattr.
-
-    vLLM's CPU platform rebinds its kernel overrides by scanning every attribute of every loaded module with
-    `hasattr(value, "__dict__")` and `vars(value).get("kernel")`. A value for which that raises aborts the engine's
-    start: werkzeug's LocalProxy (flask's current_app, g, request) raises "Working outside of application context",
-    and flask is loaded in any process that has imported MLflow's server or a flask app; llvmlite's library wrapper
-    (`llvmlite.binding.ffi.lib`, loaded by numba for n-gram speculation, so in any process where a speculating
-    engine has run) hands back a C function for `__dict__`. Those modules hold no vLLM kernel, so skipping them changes nothing; they are put back right after.
-    """
-    hidden: dict[str, object] = {}
-    with warnings.catch_warnings():         # probing deprecated globals (torch.distributed.reduce_op) warns
-        warnings.simplefilter("ignore")
-        for name, module in list(sys.modules.items()):
-            namespace = getattr(module, "__dict__", None)
-            if namespace and any(_unscannable(v) for v in list(namespace.values())):
-                hidden[name] = sys.modules.pop(name)
-    try:
-        yield
-    finally:
-        for name, module in hidden.items():
-            sys.modules.setdefault(name, module)
-
-
 def _request_states(engine) -> list:
     """vLLM's per-request state (one per sequence: an n-sample request has n), or [] where this vLLM keeps it
     elsewhere. Internal API (vllm.v1.engine.output_processor), read only: live token counts and start times are
@@ -517,16 +309,3 @@ def _note_started(engine, waiting: dict[str, int], started: dict[str, float], st
             started[rid] = step_start
 
 
-def _descendants() -> list:
-    import psutil
-
-    return psutil.Process().children(recursive=True)
-
-
-def _is_resource_tracker(proc) -> bool:
-    """multiprocessing's resource tracker: started by the first spawn, shared by every later one, and ends with this
-    process; it is not vLLM's to stop."""
-    try:
-        return any("resource_tracker" in part for part in proc.cmdline())
-    except Exception:                   # gone already, or not ours to inspect: nothing to stop either way
-        return True

@@ -248,11 +248,11 @@ def test_sampling_params_are_exactly_the_configured_distribution():
 
 def test_a_small_greedy_shard_is_served_with_speculation_and_the_same_completions(model_path):
     """Greedy sequences on CPU get n-gram speculation and a window and KV cache fitted to them
-    (evaldag.engines.vllm.fit_to_workload); the completions must be those of the engine without speculation."""
+    (evaldag.engines.vllm_args.fit_to_workload); the completions must be those of the engine without speculation."""
     from dataclasses import replace
 
     from evaldag.engines import workload
-    from evaldag.engines.vllm import fitted_kv_bytes, model_shape
+    from evaldag.engines.vllm_args import fitted_kv_bytes, model_shape
 
     prompts = [*PROMPTS, "Count from 1 to 60, separated by commas."]      # the count repeats itself: speculation wins
     sampling = SamplingConfig(max_new_tokens=96)
@@ -283,7 +283,7 @@ def test_module_globals_that_break_vllms_scan_are_recognised():
     import flask
     from llvmlite.binding import ffi
 
-    from evaldag.engines.vllm import _unscannable
+    from evaldag.engines.vllm_process import unscannable
 
-    assert _unscannable(ffi.lib) and _unscannable(flask.current_app)
-    assert not any(_unscannable(v) for v in (os, 1, "x", SamplingConfig(), ffi.lib.LLVMPY_GetHostCPUName))
+    assert unscannable(ffi.lib) and unscannable(flask.current_app)
+    assert not any(unscannable(v) for v in (os, 1, "x", SamplingConfig(), ffi.lib.LLVMPY_GetHostCPUName))
