@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from evaldag import paths
 from evaldag.errors import ConfigError
-from evaldag.grading import GoldFormat
+from evaldag.gold import GoldFormat
 from evaldag.rewards import RewardSpec
 from evaldag.rules import BENCHMARK_PATTERN, describe_errors, is_benchmark_name
 

@@ -15,7 +15,7 @@ import polars as pl
 from evaldag import paths
 from evaldag.config import BenchmarkConfig
 from evaldag.errors import DatasetError
-from evaldag.grading import normalize_gold
+from evaldag.gold import normalize_gold
 from evaldag.rules import check_limit
 
 

@@ -22,7 +22,7 @@ SCHEMA_VERSION = "2"
 INPUT_SCHEMA: dict[str, pl.DataType] = {
     "sample_id": pl.Utf8,        # stable id of the problem in its dataset (unique_id, id, idx, ...)
     "prompt": pl.Utf8,           # user message: the problem plus the benchmark's instruction
-    "gold": pl.Utf8,             # normalised gold answer (see evaldag.grading.normalize_gold)
+    "gold": pl.Utf8,             # normalised gold answer (see evaldag.gold.normalize_gold)
     "gold_raw": pl.Utf8,         # gold field exactly as in the dataset
     "subject": pl.Utf8,          # null when the dataset has none
     "level": pl.Int64,           # null when the dataset has none

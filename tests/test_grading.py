@@ -21,8 +21,8 @@ from evaldag.grading import (
     grade_many,
     grade_one,
     grade_table,
-    normalize_gold,
 )
+from evaldag.gold import normalize_gold
 from evaldag.schema import GENERATION_SCHEMA, GRADE_STATUSES, GRADED_SCHEMA
 
 CASES_FILE = Path(__file__).parent / "cases" / "grading_cases.json"

@@ -162,9 +162,9 @@ def _sampling(w, **field):
 
 
 def _set_gold(w):
-    from evaldag import datasets, grading
+    from evaldag import datasets, gold
 
-    real = grading.normalize_gold
+    real = gold.normalize_gold
     w.monkeypatch.setattr(datasets, "normalize_gold", lambda raw, fmt: "0" if raw == "204" else real(raw, fmt))
 
 

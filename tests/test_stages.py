@@ -128,7 +128,7 @@ def test_regrading_uses_the_current_gold_not_the_copy_in_the_generations(setup, 
     shard is regraded against the new gold, never against the gold frozen into the cached generations."""
     import polars as pl
 
-    from evaldag import datasets, grading
+    from evaldag import datasets, gold
 
     ckpt, _, results = setup
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
@@ -137,7 +137,7 @@ def test_regrading_uses_the_current_gold_not_the_copy_in_the_generations(setup, 
     before = pl.read_parquet(grade_shard(plan, 0, workers=0))
     assert before["status"].to_list() == ["wrong"] * 3            # the real golds are not 7
 
-    real = grading.normalize_gold
+    real = gold.normalize_gold
     monkeypatch.setattr(datasets, "normalize_gold", lambda raw, fmt: "7" if raw == "204" else real(raw, fmt))
     fixed = _plan(ckpt, results)
     assert fixed.generation_key == plan.generation_key            # the generations are reused...
