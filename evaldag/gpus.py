@@ -23,11 +23,9 @@ TP_ENGINES = ("vllm",)              # engines that read TP_ARG; every other engi
 SERVED_ENGINES = ("openai",)        # engines whose model runs on a server elsewhere: a shard holds no local GPU
 # A lost shard (its node gone, kill -9) keeps its slots until their lease expires, and its relaunch waits that long
 # for them. Prefect's default of 300 s would hold the relaunch back for minutes after the crash automation
-# (evaldag.runtime.cluster, ~60-95 s) has released it. The holder renews every 0.75 x the lease, so a live shard never loses
-# its slots. Tests set a short one: their shards are killed on purpose.
+# (evaldag.runtime.cluster, ~60-95 s) has released it; 60 s is the shortest lease Prefect's server accepts. The
+# holder renews every 0.75 x the lease, so a live shard never loses its slots.
 GPU_LEASE_S = 60.0
-GPU_LEASE_ENV = "EVALDAG_GPU_LEASE_S"
-MIN_GPU_LEASE_S = 5.0               # renewals every 0.75 x lease: shorter would race the renewal thread's own calls
 
 
 def parse_gpu_ids(text: str | None) -> tuple[str, ...] | None:
@@ -102,19 +100,6 @@ def check_visible_gpus(tp: int, cuda_visible_devices: str | None) -> None:
         raise ConfigError(f"this shard needs {tp} GPUs ({TP_ARG}={tp}) but its worker sees {len(ids)} "
                           f"(CUDA_VISIBLE_DEVICES={cuda_visible_devices}); give each gpu worker {tp} GPUs, e.g. "
                           f"`evaldag up --gpus {max(tp, len(ids))} --tp {tp}`")
-
-
-def gpu_lease_s(environ: Mapping[str, str] | None = None) -> float:
-    """Seconds a shard's GPU slots outlive their holder ($EVALDAG_GPU_LEASE_S, default GPU_LEASE_S)."""
-    raw = (os.environ if environ is None else environ).get(GPU_LEASE_ENV) or str(GPU_LEASE_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= MIN_GPU_LEASE_S:
-        raise ConfigError(f"{GPU_LEASE_ENV}={raw!r}: the GPU slot lease must be a number of seconds >= "
-                          f"{MIN_GPU_LEASE_S:g}; unset it for the default {GPU_LEASE_S:g}")
-    return value
 
 
 def check_fits(tp: int, limit: int, name: str = GPU_LIMIT) -> None:

@@ -9,7 +9,7 @@ generates, so the `gpu` pool never runs more GPU work than it has GPUs.
   slots that cannot exist);
 - otherwise the shard waits, as long as it takes, until tp slots are free, and holds them under a lease that a
   background thread renews; a shard process that dies frees its slots when the lease expires (evaldag.gpus.
-  gpu_lease_s).
+  GPU_LEASE_S).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 
-from evaldag.gpus import GPU_LIMIT, check_fits, check_visible_gpus, gpu_lease_s
+from evaldag.gpus import GPU_LEASE_S, GPU_LIMIT, check_fits, check_visible_gpus
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
@@ -60,7 +60,6 @@ def hold_gpus(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
 
     log = _logger()
     check_visible_gpus(tp, os.environ.get("CUDA_VISIBLE_DEVICES"))
-    lease_s = gpu_lease_s()
     limit = _read_limit(name)
     if limit is None or not limit.active:
         why = "does not exist" if limit is None else "is inactive"
@@ -75,7 +74,7 @@ def hold_gpus(tp: int, name: str = GPU_LIMIT) -> Iterator[None]:
     # strict=False: a limit deleted between the read above and here means "no limit" (the case handled above);
     # a failed lease renewal (a server hiccup) must not kill an hour-long generation.
     with concurrency(name, occupy=tp, strict=False, raise_on_lease_renewal_failure=False,
-                     lease_duration=lease_s):
+                     lease_duration=GPU_LEASE_S):
         log.info("holding %d GPU slot(s) of %r", tp, name)
         yield
 

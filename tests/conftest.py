@@ -27,9 +27,6 @@ os.environ["EVALDAG_CHECKPOINT_ROOTS"] = str(_TMP / "checkpoints")
 os.environ["EVALDAG_FAULTS_FILE"] = str(_TMP / "faults.json")
 (_TMP / "checkpoints").mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-# Shards killed on purpose (the fault and lost-node tests) free their GPU slot when its lease runs out: a relaunch
-# waited ~40 s of production's 60 for it. Workers inherit this; test_gpus checks the real value.
-os.environ["EVALDAG_GPU_LEASE_S"] = "15"
 # The pipeline's mechanics (caching, faults, triggers, metrics) are tested on the transformers engine: a shard of a
 # few problems loads it in ~1 s, where a vLLM engine start costs 20-40 s on 2 cores. The default engine itself
 # (vLLM) runs for real in tests/engine_vllm, through the same stack, and test_plan checks that it is the default.
