@@ -54,17 +54,9 @@ run: up
 	$(BIN)/evaldag run math500
 
 # Everything, the vLLM engine's tests included, then the end-to-end tests once more with the Prefect server on
-# PostgreSQL (this is what CI runs, through .ci/run). Two lanes at once (tests/conftest.py, --lane): `model` runs the
-# real model and the session stack, one torch process at a time; `rest` (unit tests, test_stack's own stack) runs
-# beside it on the core the model lane leaves idle while it waits on servers and polls. The rest lane's report is
-# printed after the model lane's; either failing fails the target.
+# PostgreSQL (this is what CI runs, through .ci/run).
 test: setup model
-	@$(BIN)/python -m pytest -q -p no:cacheprovider --lane rest --durations=10 > .pytest-rest.log 2>&1 & rest=$$!; \
-	$(BIN)/python -m pytest -q --lane model --durations=25; model=$$?; \
-	wait $$rest; rest=$$?; \
-	echo "==================== the rest lane (ran beside the model lane) ===================="; \
-	cat .pytest-rest.log; \
-	echo "lanes: model exit $$model, rest exit $$rest"; test $$model -eq 0 -a $$rest -eq 0
+	$(BIN)/python -m pytest -q --durations=25
 	$(MAKE) test-postgres
 
 # What the database changes, once more with the stack's Prefect server on a private PostgreSQL cluster (the tests

@@ -117,32 +117,12 @@ def anyio_backend():
 _STACK_FIXTURES = {"live_stack", "stack"}   # conftest's session stack, test_stack.py's module stack
 
 
-def pytest_addoption(parser):
-    parser.addoption("--lane", choices=LANES, default=None,
-                     help="run one lane of the suite: `model` (tests that run the real model or use the session "
-                          "stack, whose flows run it) or `rest` (everything else). `make test` runs both at once: "
-                          "the rest fills the cores the model lane leaves idle while it waits on servers.")
-
-
-LANES = ("model", "rest")
-
-
-def _lane(item) -> str:
-    uses = set(getattr(item, "fixturenames", ()))
-    return "model" if item.get_closest_marker("model") is not None or "live_stack" in uses else "rest"
-
-
 def pytest_collection_modifyitems(config, items):
     unmarked = [item.nodeid for item in items if item.get_closest_marker("stack") is None
                 and _STACK_FIXTURES & set(getattr(item, "fixturenames", ()))]
     if unmarked:
         raise pytest.UsageError("these tests start the real stack but are not marked `stack`; add @pytest.mark.stack "
                                 "so that `-m \"not stack\"` stays fast: " + ", ".join(unmarked))
-    if (lane := config.getoption("--lane")) is not None:
-        other = [item for item in items if _lane(item) != lane]
-        if other:
-            config.hook.pytest_deselected(items=other)
-            items[:] = [item for item in items if _lane(item) == lane]
 
 
 @pytest.fixture(autouse=True)

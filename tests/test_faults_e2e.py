@@ -124,9 +124,11 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     from evaldag.models import resolve_model
     from evaldag.tracking import load_samples
 
-    folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
-    generations = NewGenerations(live_stack)
-    fr = run_deployment("eval/math500", timeout=0, parameters={
+    # a plain folder: batch size 32 -> 4 prompts x n=8. GSM8K: its first 8 prompts are 74-158 tokens, where
+    # MATH-500's run to 449, and the transformers engine pads a batch to its longest prompt, n times over
+    folder = resolve_model("smollm2-135m-instruct").path
+    generations = NewGenerations(live_stack, "gsm8k")
+    fr = run_deployment("eval/gsm8k", timeout=0, parameters={
         "checkpoint": folder, "limit": 8, "num_shards": 1, "step": 88, "train_run": "kill-9",
         "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 3}})
     chunk = generations.wait(0)
@@ -148,7 +150,7 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     stats = json.loads(next(stage_dir.glob("stats-generations-*.json")).read_text())
     assert stats["resumed_batches"] >= 1                           # the first batch was not generated again
     client = MlflowClient()
-    exp = client.get_experiment_by_name(experiment_name("math500"))
+    exp = client.get_experiment_by_name(experiment_name("gsm8k"))
     [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'kill-9'")
     samples = load_samples(run.info.run_id)
     assert samples.height == 64 and run.data.metrics["n_samples"] == 64
@@ -166,9 +168,11 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     from evaldag.models import resolve_model
     from evaldag.tracking import load_samples
 
-    folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
-    generations = NewGenerations(live_stack)
-    fr = run_deployment("eval/math500", timeout=0, parameters={
+    # a plain folder: batch size 32 -> 4 prompts x n=8. GSM8K: its first 8 prompts are 74-158 tokens, where
+    # MATH-500's run to 449, and the transformers engine pads a batch to its longest prompt, n times over
+    folder = resolve_model("smollm2-135m-instruct").path
+    generations = NewGenerations(live_stack, "gsm8k")
+    fr = run_deployment("eval/gsm8k", timeout=0, parameters={
         "checkpoint": folder, "limit": 8, "num_shards": 1, "step": 89, "train_run": "false-crash",
         "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 4}})
     generations.wait(0)
@@ -189,7 +193,7 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     assert [r.state.type.value for r in shards] == ["CRASHED", "COMPLETED"], shards
 
     client = MlflowClient()
-    exp = client.get_experiment_by_name(experiment_name("math500"))
+    exp = client.get_experiment_by_name(experiment_name("gsm8k"))
     [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'false-crash'")
     samples = load_samples(run.info.run_id)
     assert samples.height == 64 and samples.select("sample_id", "sample_index").n_unique() == 64
