@@ -13,7 +13,7 @@ import pytest
 from conftest import complete_checkpoint
 
 from evaldag import engines, paths
-from evaldag.engines.base import Completion, batches_one_by_one
+from evaldag.engines.base import Completion, EngineBase
 from evaldag.errors import ConfigError
 from evaldag.plan import EvalRequest, resolve
 from evaldag.stages import generate_shard
@@ -41,7 +41,7 @@ def test_the_check_names_the_benchmark_the_count_the_longest_the_window_and_the_
     check_fits("gsm8k", "hf", None, 10**6)              # an engine that cannot measure: nothing to check
 
 
-class WindowedEngine:
+class WindowedEngine(EngineBase):
     """A stand-in engine with a context window of `window` tokens, a prompt's length in tokens being its length in
     characters; counts the batches it generates."""
 
@@ -60,9 +60,6 @@ class WindowedEngine:
         type(self).generated += 1
         return [[Completion(text="1", token_ids=[1], prompt_tokens=len(p), completion_tokens=1,
                             finish_reason="stop", latency_s=0.0, batch_size=1)] for p in prompts]
-
-    def generate_batches(self, batches, sampling):
-        return batches_one_by_one(self, batches, sampling)
 
     def close(self):
         pass

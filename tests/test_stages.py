@@ -13,12 +13,12 @@ import pytest
 
 from conftest import complete_checkpoint
 from evaldag import engines, paths
-from evaldag.engines.base import Completion, batches_one_by_one
+from evaldag.engines.base import Completion, EngineBase
 from evaldag.plan import EvalRequest, resolve
 from evaldag.stages import generate_shard, grade_shard
 
 
-class CountingEngine:
+class CountingEngine(EngineBase):
     """A stand-in engine: batches of 2 prompts, answers derived from the prompt and the batch seed, slow enough for
     a concurrent duplicate to arrive meanwhile; counts batches and can crash at a chosen batch."""
 
@@ -36,9 +36,6 @@ class CountingEngine:
         return [[Completion(text=f"{len(p)}-{sampling.seed + batch_index}-{k}", token_ids=[1, 2, 3],
                             prompt_tokens=5, completion_tokens=3, finish_reason="stop", latency_s=0.3,
                             batch_size=len(prompts)) for k in range(sampling.n)] for p in prompts]
-
-    def generate_batches(self, batches, sampling):
-        return batches_one_by_one(self, batches, sampling)
 
     def close(self):
         pass
