@@ -174,7 +174,7 @@ def run_event(stack_home: Path | None) -> None:
     from evaldag import paths
     from evaldag.checkpoints import allowed_roots_from_env
     from evaldag.models import resolve_model
-    from evaldag.tracking import experiment_name
+    from evaldag.tracking.names import experiment_name
 
     # where the stack's workers accept checkpoints from (evaldag up's default when EVALDAG_CHECKPOINT_ROOTS is unset)
     root = (allowed_roots_from_env() or [paths.REPO_ROOT / "runs"])[0]

@@ -337,7 +337,7 @@ def sync() -> None:
     from evaldag import paths
     from evaldag.runtime import runner
     from evaldag.runtime.stack import Stack
-    from evaldag.tracking import sync as sync_runs
+    from evaldag.tracking.sync import sync as sync_runs
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
     created = sync_runs(paths.results_dir())
@@ -377,7 +377,7 @@ def compare(
     console.print(render(df))
     if verdicts:
         from evaldag import verdicts as paired
-        from evaldag.tracking import load_samples
+        from evaldag.tracking.samples import load_samples
 
         pairs = paired.pair_job_evaluations(paired.evaluations(benchmark, train_run), load_samples, margin, alpha,
                                             baseline)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import polars as pl
 
-from evaldag.tracking import EXPERIMENT_PREFIX
+from evaldag.tracking.names import EXPERIMENT_PREFIX
 
 
 def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | None = None) -> pl.DataFrame:

@@ -158,7 +158,7 @@ def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], che
 
 def evaluated_key(checkpoint: str | Path, step: int, benchmark: str,
                   overrides: Mapping[str, Any] | None = None) -> tuple[str, int, str]:
-    """What the sweeper looks up among the finished evaluations (evaldag.tracking.evaluated_checkpoints): the
+    """What the sweeper looks up among the finished evaluations (evaldag.tracking.history.evaluated_checkpoints): the
     folder, the step and `settings_key` (which holds the folder's fingerprint, so a checkpoint rewritten in place
     is evaluated again)."""
     return str(checkpoint), int(step), settings_key(benchmark, checkpoint, overrides)

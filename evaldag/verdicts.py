@@ -24,9 +24,9 @@ samples of one problem are not independent observations of the checkpoint's skil
 
 `pair_job_evaluations` applies this to every evaluation of each training job against the previous checkpoint, the
 best checkpoint so far (by accuracy) and an optional named baseline; `evaldag compare --verdicts` prints it.
-`job_verdicts` does the same for one evaluation as it is tracked (evaldag.tracking calls it once the run's metrics
-are logged), and `log_verdicts` writes the result as MLflow tags and metrics; `logged_verdict_lines` reads them back
-for `evaldag run`. The margin and level of those come from EVALDAG_VERDICT_MARGIN and EVALDAG_VERDICT_ALPHA.
+`job_verdicts` does the same for one evaluation as it is tracked (evaldag.tracking.write calls it once the run's
+metrics are logged), and `log_verdicts` writes the result as MLflow tags and metrics; `logged_verdict_lines` reads them
+back for `evaldag run`. The margin and level of those come from EVALDAG_VERDICT_MARGIN and EVALDAG_VERDICT_ALPHA.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def evaluations(benchmarks: list[str] | None = None, train_run: str | list[str] 
                 client=None) -> pl.DataFrame:
     """Finished evaluation runs from MLflow: run_id, train_run, step, benchmark, comparison_key, checkpoint, model,
     start (ms). The latest run per (job, step, benchmark, comparison key) is kept: a re-evaluation supersedes."""
-    from evaldag.tracking import COMPARISON_TAG, EXPERIMENT_PREFIX
+    from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX
 
     if client is None:
         from mlflow import MlflowClient
@@ -355,7 +355,7 @@ def earlier_evaluations(client, experiment_id: str, train_run: str, comparison: 
     """The job's finished evaluations with comparison key `comparison` at steps before `step`, oldest step first:
     run_id, step, accuracy (the logged metric), label (JOB@STEP). The latest run per step: a re-evaluation
     supersedes, as in `evaluations`."""
-    from evaldag.tracking import COMPARISON_TAG
+    from evaldag.tracking.names import COMPARISON_TAG
 
     runs = client.search_runs([experiment_id], filter_string=(
         f"tags.train_run = '{train_run}' and tags.`{COMPARISON_TAG}` = '{comparison}' and tags.kind = 'ckpt_eval' "

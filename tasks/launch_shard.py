@@ -71,7 +71,7 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
         flow_run_name=f"{names}-{todo[0][1].eval_key[:8]}-shard{shard_index}of{width}",
         idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=0,
     )
-    from evaldag.tracking import preload
+    from evaldag.tracking.client import preload
 
     preload()  # the parent logs to MLflow after its shards: its client loads while they run, not after
     with get_client(sync_client=True) as client:

@@ -10,6 +10,6 @@ from tasks.retry import retry_transient
 @task(name="evaluated-checkpoints", retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=retry_transient)
 def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
     """(checkpoint folder, step, settings key) of every FINISHED evaluation run of `benchmark`."""
-    from evaldag.tracking import evaluated_checkpoints as lookup
+    from evaldag.tracking.history import evaluated_checkpoints as lookup
 
     return lookup(benchmark)

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from evaldag.plan import load_plan
-from evaldag.tracking import TrackedRun, track
+from evaldag.tracking.write import TrackedRun, track
 from tasks.retry import retry_transient
 
 

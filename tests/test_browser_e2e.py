@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 from prefect.deployments import run_deployment
 
 from cluster_helpers import flow_run, wait_final
-from evaldag.tracking import JOBS_EXPERIMENT, charts_url
+from evaldag.tracking.names import JOBS_EXPERIMENT, charts_url
 from test_e2e import _shard_runs
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]

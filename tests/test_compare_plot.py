@@ -11,7 +11,9 @@ import sys
 import pytest
 from mlflow import MlflowClient
 
-from evaldag import compare, tracking
+from evaldag import compare
+from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
+from evaldag.tracking.write import ensure_experiment, parent_run
 
 
 @pytest.fixture
@@ -32,17 +34,17 @@ def _log_eval(client, exp_id: str, job: str, step: int, acc: float, reward: floa
 
 def test_experiments_are_marked_model_training(mlflow_store):
     client = MlflowClient()
-    older = client.create_experiment(tracking.experiment_name("gsm8k"))     # as an older evaldag left it
-    assert tracking._experiment_id(client, tracking.experiment_name("gsm8k")) == older
-    new = tracking._experiment_id(client, tracking.experiment_name("math500"))
-    tracking.parent_run(client, "job-a")                                    # creates the training-jobs experiment
-    for exp_id in (older, new, client.get_experiment_by_name(tracking.JOBS_EXPERIMENT).experiment_id):
+    older = client.create_experiment(experiment_name("gsm8k"))              # as an older evaldag left it
+    assert ensure_experiment(client, experiment_name("gsm8k")) == older
+    new = ensure_experiment(client, experiment_name("math500"))
+    parent_run(client, "job-a")                                             # creates the training-jobs experiment
+    for exp_id in (older, new, client.get_experiment_by_name(JOBS_EXPERIMENT).experiment_id):
         assert client.get_experiment(exp_id).tags.get("mlflow.experimentKind") == "custom_model_development"
 
 
 def test_compare_plot_draws_one_line_per_job(mlflow_store, tmp_path):
     client = MlflowClient()
-    exp_id = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    exp_id = ensure_experiment(client, experiment_name("math500"))
     for step, acc in ((100, 0.2), (200, 0.3), (300, 0.35)):
         _log_eval(client, exp_id, "job-a", step, acc, acc - 0.05)
     _log_eval(client, exp_id, "job-b", 200, 0.4, 0.33)

@@ -22,7 +22,8 @@ from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterNa
 from prefect.deployments import run_deployment
 
 from evaldag.schema import GRADE_STATUSES
-from evaldag.tracking import experiment_name, load_samples
+from evaldag.tracking.names import experiment_name
+from evaldag.tracking.samples import load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 

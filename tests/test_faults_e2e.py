@@ -25,7 +25,7 @@ from cluster_helpers import (NewGenerations, alive, children, engine_processes, 
 from conftest import TEST_MLFLOW_TIMEOUT_S
 from evaldag.runtime.stack import MLFLOW_SERVER
 from evaldag.runtime.stack.components import MLFLOW_RETRIES
-from evaldag.tracking import experiment_name
+from evaldag.tracking.names import experiment_name
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 
@@ -122,7 +122,7 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     """kill -9 of a shard's flow-run process after its first batch: the shard is relaunched, regenerates only the
     missing batches, and the evaluation ends with exactly one row per (problem, sample)."""
     from evaldag.models import resolve_model
-    from evaldag.tracking import load_samples
+    from evaldag.tracking.samples import load_samples
 
     # a plain folder: batch size 32 -> 4 prompts x n=8. GSM8K: its first 8 prompts are 74-158 tokens, where
     # MATH-500's run to 449, and the transformers engine pads a batch to its longest prompt, n times over
@@ -166,7 +166,7 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
 
     from evaldag.runtime.cluster import MIN_HEARTBEAT_S, crash_automation
     from evaldag.models import resolve_model
-    from evaldag.tracking import load_samples
+    from evaldag.tracking.samples import load_samples
 
     # a plain folder: batch size 32 -> 4 prompts x n=8. GSM8K: its first 8 prompts are 74-158 tokens, where
     # MATH-500's run to 449, and the transformers engine pads a batch to its longest prompt, n times over

@@ -13,7 +13,8 @@ from mlflow import MlflowClient
 
 from cluster_helpers import NewGenerations, children, kill_all, wait_final
 from evaldag.runtime.stack import MLFLOW_SERVER, PREFECT_SERVER
-from evaldag.tracking import experiment_name, load_samples
+from evaldag.tracking.names import experiment_name
+from evaldag.tracking.samples import load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 

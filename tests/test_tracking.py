@@ -89,7 +89,7 @@ def _track_in_process(plan_path: str, flow_run_id: str, barrier, results, uri: s
     """One evaluation's track task in its own process, released together with the others by the barrier."""
     os.environ["MLFLOW_TRACKING_URI"] = uri      # importing conftest here dropped it
     from evaldag.plan import load_plan
-    from evaldag.tracking import track
+    from evaldag.tracking.write import track
 
     plan = load_plan(plan_path)
     barrier.wait()
@@ -100,7 +100,7 @@ def _track_in_process(plan_path: str, flow_run_id: str, barrier, results, uri: s
 def _runs(eval_key: str) -> list:
     from mlflow import MlflowClient
 
-    from evaldag.tracking import experiment_name
+    from evaldag.tracking.names import experiment_name
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name("aime24"))
@@ -133,7 +133,7 @@ def test_concurrent_tracks_of_one_evaluation_make_one_run(mlflow_server, configs
     # and the training job has one parent run, whatever raced for it
     from mlflow import MlflowClient
 
-    from evaldag.tracking import JOBS_EXPERIMENT
+    from evaldag.tracking.names import JOBS_EXPERIMENT
 
     client = MlflowClient()
     jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
@@ -145,7 +145,8 @@ def test_a_recomputation_with_other_results_is_flagged_on_the_run_it_keeps(mlflo
     results; new timings alone change nothing, other results are flagged on the run, naming them and who found
     them."""
     from evaldag.plan import load_plan
-    from evaldag.tracking import DIFFERS_TAG, track
+    from evaldag.tracking.names import DIFFERS_TAG
+    from evaldag.tracking.write import track
 
     plan = load_plan(_finished_plan(tmp_path, 40, "recompute-run"))
     first = {**_metrics(0.5, 0.5), "generation_s": 10.0, "cache_hit_rate": 0.0}
@@ -170,29 +171,31 @@ def test_a_live_writer_is_waited_for_and_a_dead_one_is_taken_over(mlflow_server,
     finished; the writer's own retry (same flow run) resumes at once."""
     from mlflow import MlflowClient
 
-    from evaldag import tracking
     from evaldag.plan import load_plan
+    from evaldag.run_claims import HEARTBEAT_TAG, TrackingBusy, claim_run, take_writer
+    from evaldag.tracking.names import experiment_name
+    from evaldag.tracking.write import ensure_experiment, track
 
     plan = load_plan(_finished_plan(tmp_path, 40, "lease-run"))
     client = MlflowClient()
-    exp_id = tracking._experiment_id(client, tracking.experiment_name("aime24"))
-    run_id, created = tracking.claim_run(client, exp_id, plan.eval_key, lambda: client.create_run(exp_id).info.run_id)
+    exp_id = ensure_experiment(client, experiment_name("aime24"))
+    run_id, created = claim_run(client, exp_id, plan.eval_key, lambda: client.create_run(exp_id).info.run_id)
     assert created
-    assert tracking.take_writer(client, run_id, "flow-run-A", lease_s=60)         # A is writing...
+    assert take_writer(client, run_id, "flow-run-A", lease_s=60)                  # A is writing...
     t0 = time.monotonic()
-    with pytest.raises(tracking.TrackingBusy, match="flow-run-A"):
-        tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-B", lease_s=60, wait_s=3)
+    with pytest.raises(TrackingBusy, match="flow-run-A"):
+        track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-B", lease_s=60, wait_s=3)
     assert 3 <= time.monotonic() - t0 < 30
     assert "accuracy" not in client.get_run(run_id).data.metrics                    # B wrote nothing
-    resumed = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-A", lease_s=60, wait_s=3)
+    resumed = track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-A", lease_s=60, wait_s=3)
     assert resumed.run_id == run_id and client.get_run(run_id).info.status == "FINISHED"
 
     # a dead writer: its heartbeat is older than the lease
     plan2 = load_plan(_finished_plan(tmp_path, 50, "lease-run"))
-    run2, _ = tracking.claim_run(client, exp_id, plan2.eval_key, lambda: client.create_run(exp_id).info.run_id)
-    assert tracking.take_writer(client, run2, "flow-run-dead", lease_s=60)
-    client.set_tag(run2, tracking.HEARTBEAT_TAG, f"0:{time.time() - 3600}")      # generation 0, an hour ago
-    taken = tracking.track(plan2, _metrics(0.5, 0.5), flow_run_id="flow-run-C", lease_s=60, wait_s=3)
+    run2, _ = claim_run(client, exp_id, plan2.eval_key, lambda: client.create_run(exp_id).info.run_id)
+    assert take_writer(client, run2, "flow-run-dead", lease_s=60)
+    client.set_tag(run2, HEARTBEAT_TAG, f"0:{time.time() - 3600}")               # generation 0, an hour ago
+    taken = track(plan2, _metrics(0.5, 0.5), flow_run_id="flow-run-C", lease_s=60, wait_s=3)
     assert taken.run_id == run2 and client.get_run(run2).info.status == "FINISHED"
     assert len(_runs(plan2.eval_key)) == 1
 
@@ -204,7 +207,8 @@ def test_job_history_compares_like_with_like(mlflow_server, configs, tmp_path):
     from mlflow import MlflowClient
 
     from evaldag.plan import load_plan
-    from evaldag.tracking import JOBS_EXPERIMENT, track
+    from evaldag.tracking.names import JOBS_EXPERIMENT
+    from evaldag.tracking.write import track
 
     sampled = {"sampling": {"n": 2, "temperature": 0.6}}
     runs = {}
@@ -232,11 +236,11 @@ def test_job_history_compares_like_with_like(mlflow_server, configs, tmp_path):
 
 
 def test_loading_the_evaluation_flow_does_not_import_mlflow():
-    """MLflow's client is 2-3 s of imports: an evaluation flow run loads it while its shards run (tracking.preload),
-    not before it can start them."""
+    """MLflow's client is 2-3 s of imports: an evaluation flow run loads it while its shards run
+    (evaldag.tracking.client.preload), not before it can start them."""
     code = ("import sys, flows.eval_flow, flows.shard_flow, flows.checkpoint_flow; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'mlflow'], 'mlflow imported'; "
-            "from evaldag import tracking; tracking.preload(); assert 'mlflow.entities' in sys.modules")
+            "from evaldag.tracking.client import preload; preload(); assert 'mlflow.entities' in sys.modules")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-2000:]
@@ -274,25 +278,28 @@ def test_a_transient_mlflow_error_makes_no_second_run(mlflow_server, configs, tm
     passes a claim on to a new run."""
     from mlflow import MlflowClient
 
-    from evaldag import run_claims, tracking
+    from evaldag import run_claims
     from evaldag.plan import load_plan
+    from evaldag.tracking import client as tracking_client
+    from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
+    from evaldag.tracking.write import ensure_experiment, parent_run, track
 
     monkeypatch.setattr(run_claims, "ALIVE_BACKOFF_S", 0.01, raising=False)
     client = MlflowClient()
     plan = load_plan(_finished_plan(tmp_path, 80, "flaky-run"))
-    first = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-1")
-    parent = tracking.parent_run(client, "flaky-run")
+    first = track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-1")
+    parent = parent_run(client, "flaky-run")
 
-    monkeypatch.setattr(tracking, "_client", lambda: _FlakyGetRun(client, _transient_errors()))
-    again = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-2")
+    monkeypatch.setattr(tracking_client, "mlflow_client", lambda: _FlakyGetRun(client, _transient_errors()))
+    again = track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-2")
     assert (again.run_id, again.created) == (first.run_id, False)
     assert [r.info.run_id for r in _runs(plan.eval_key)] == [first.run_id]
-    assert tracking.parent_run(_FlakyGetRun(client, _transient_errors()), "flaky-run") == parent
-    jobs = client.get_experiment_by_name(tracking.JOBS_EXPERIMENT)
+    assert parent_run(_FlakyGetRun(client, _transient_errors()), "flaky-run") == parent
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
     assert len(client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'flaky-run'")) == 1
 
     # a claim naming a run the server does not have (removed for good): the next generation claims a new run
-    exp_id = tracking._experiment_id(client, tracking.experiment_name("aime24"))
+    exp_id = ensure_experiment(client, experiment_name("aime24"))
     client.create_experiment(run_claims.claim_name(exp_id, "ghost-key"), tags={run_claims.RUN_ID_TAG: "0" * 32})
     run_id, created = run_claims.claim_run(client, exp_id, "ghost-key", lambda: client.create_run(exp_id).info.run_id)
     assert created and run_id != "0" * 32
@@ -305,8 +312,9 @@ def test_a_writer_uploading_longer_than_the_lease_keeps_its_run(mlflow_server, c
 
     from mlflow import MlflowClient
 
-    from evaldag import tracking
     from evaldag.plan import load_plan
+    from evaldag.run_claims import current_writer, take_writer
+    from evaldag.tracking.write import track
 
     lease_s = 2.0
     plan = load_plan(_finished_plan(tmp_path, 90, "upload-run"))
@@ -325,19 +333,19 @@ def test_a_writer_uploading_longer_than_the_lease_keeps_its_run(mlflow_server, c
         try:
             assert uploading.wait(120)
             time.sleep(lease_s * 1.5)           # the beat before the upload is older than the lease by now
-            contender["took"] = tracking.take_writer(MlflowClient(), contender["run_id"], "contender", lease_s)
+            contender["took"] = take_writer(MlflowClient(), contender["run_id"], "contender", lease_s)
         finally:
             tried.set()
 
     monkeypatch.setattr(MlflowClient, "log_artifact", slow_upload)
     thread = threading.Thread(target=take_over, daemon=True)
     thread.start()
-    run = tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="slow-writer", lease_s=lease_s)
+    run = track(plan, _metrics(0.5, 0.5), flow_run_id="slow-writer", lease_s=lease_s)
     thread.join(10)
     assert contender.get("took") is False
     logged = MlflowClient().get_run(run.run_id)
     assert run.created and logged.info.status == "FINISHED"
-    assert tracking.current_writer(logged) == (0, "slow-writer")
+    assert current_writer(logged) == (0, "slow-writer")
 
 
 def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, configs, tmp_path, monkeypatch):
@@ -345,8 +353,11 @@ def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, 
     that computed it (sync has none of its own to put there)."""
     from mlflow import MlflowClient
 
-    from evaldag import tracking
+    from evaldag import faults
     from evaldag.plan import load_plan
+    from evaldag.run_claims import HEARTBEAT_TAG
+    from evaldag.tracking.sync import sync
+    from evaldag.tracking.write import track
 
     plan = load_plan(_finished_plan(tmp_path, 100, "sync-run"))
 
@@ -354,15 +365,15 @@ def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, 
         if point == "track":
             raise RuntimeError("the track task's process died half-way")
 
-    monkeypatch.setattr(tracking.faults, "maybe_fail", die)
+    monkeypatch.setattr(faults, "maybe_fail", die)
     with pytest.raises(RuntimeError, match="half-way"):
-        tracking.track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-A")
-    monkeypatch.setattr(tracking.faults, "maybe_fail", lambda point: None)
+        track(plan, _metrics(0.5, 0.5), flow_run_id="flow-run-A")
+    monkeypatch.setattr(faults, "maybe_fail", lambda point: None)
     [run] = _runs(plan.eval_key)
     assert run.info.status == "RUNNING" and run.data.tags["prefect.flow_run_id"] == "flow-run-A"
-    MlflowClient().set_tag(run.info.run_id, tracking.HEARTBEAT_TAG, f"0:{time.time() - 3600}")   # long dead
+    MlflowClient().set_tag(run.info.run_id, HEARTBEAT_TAG, f"0:{time.time() - 3600}")   # long dead
 
-    [synced] = tracking.sync(tmp_path / "results")
+    [synced] = sync(tmp_path / "results")
     [run] = _runs(plan.eval_key)
     assert synced.run_id == run.info.run_id                     # the dead writer's run, finished: no second one
     assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"] == "flow-run-A"
@@ -404,7 +415,7 @@ def test_each_evaluation_is_paired_with_the_jobs_previous_best_and_baseline(mlfl
     slice (another comparison key) is paired with nothing, nor is anything paired with it; a baseline named in the
     request is compared too."""
     from evaldag.series import comparison_key
-    from evaldag.tracking import track
+    from evaldag.tracking.write import track
 
     job = "verdict-run"
     plan1, m1 = _verdict_plan(tmp_path, 1, job, solved=40)
@@ -476,16 +487,17 @@ def test_a_failed_verdict_lookup_leaves_tracking_successful(mlflow_server, confi
 
     from mlflow import MlflowClient
 
-    from evaldag import tracking
+    from evaldag.tracking import client as tracking_client
+    from evaldag.tracking.write import track
 
     job = f"flaky-verdict-{where}"
     plan1, m1 = _verdict_plan(tmp_path, 1, job, solved=40)
-    tracking.track(plan1, m1, flow_run_id="fr-1")
+    track(plan1, m1, flow_run_id="fr-1")
     failing = _FailingVerdictLookup(MlflowClient(), where)
-    monkeypatch.setattr(tracking, "_client", lambda: failing)
+    monkeypatch.setattr(tracking_client, "mlflow_client", lambda: failing)
     plan2, m2 = _verdict_plan(tmp_path, 2, job, solved=70)
     with caplog.at_level(logging.WARNING, logger="evaldag"):
-        run = tracking.track(plan2, m2, flow_run_id="fr-2")
+        run = track(plan2, m2, flow_run_id="fr-2")
     assert failing.failed >= 1                                         # the lookup was tried, and failed
     assert run.created and MlflowClient().get_run(run.run_id).info.status == "FINISHED"
     data = _logged(run.run_id)

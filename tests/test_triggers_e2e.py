@@ -21,7 +21,7 @@ from prefect.deployments import run_deployment
 
 from conftest import free_ports
 from evaldag.models import resolve_model
-from evaldag.tracking import JOBS_EXPERIMENT, experiment_name
+from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
 from evaldag.trainer import CheckpointNotifier, flush_spool
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]

@@ -242,7 +242,7 @@ def mlflow_store(tmp_path, monkeypatch):
 
 
 def _log_eval(client, exp_id: str, job: str, step: int, acc: float, key: str = "K") -> str:
-    from evaldag.tracking import COMPARISON_TAG
+    from evaldag.tracking.names import COMPARISON_TAG
 
     run = client.create_run(exp_id, run_name=f"{job}@{step}", tags={
         "kind": "ckpt_eval", "train_run": job, "benchmark": "math500", "step": f"{step:012d}",
@@ -258,17 +258,19 @@ def test_compare_cli_prints_verdicts(mlflow_store, monkeypatch):
     from mlflow import MlflowClient
     from typer.testing import CliRunner
 
-    from evaldag import tracking
     from evaldag.cli import app
+    from evaldag.tracking import samples as tracking_samples
+    from evaldag.tracking.names import experiment_name
+    from evaldag.tracking.write import ensure_experiment
 
     client = MlflowClient()
-    exp_id = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    exp_id = ensure_experiment(client, experiment_name("math500"))
     accs = {}
     for step, acc in ((100, 0.3), (200, 0.6), (300, 0.6)):
         accs[_log_eval(client, exp_id, "job-a", step, acc)] = acc
     accs[_log_eval(client, exp_id, "base", 0, 0.1)] = 0.1
     accs[_log_eval(client, exp_id, "job-b", 100, 0.9)] = 0.9          # not asked for
-    monkeypatch.setattr(tracking, "load_samples", lambda run_id: _scores_for(accs[run_id]))
+    monkeypatch.setattr(tracking_samples, "load_samples", lambda run_id: _scores_for(accs[run_id]))
 
     result = CliRunner().invoke(app, ["compare", "-b", "math500", "--train-run", "job-a", "--verdicts",
                                       "--margin", "0.02", "--baseline", "base@0"], env={"COLUMNS": "250"})
@@ -286,10 +288,11 @@ def test_compare_cli_prints_verdicts(mlflow_store, monkeypatch):
 def test_log_verdicts_writes_tags_and_metrics(mlflow_store):
     from mlflow import MlflowClient
 
-    from evaldag import tracking
+    from evaldag.tracking.names import experiment_name
+    from evaldag.tracking.write import ensure_experiment
 
     client = MlflowClient()
-    exp_id = tracking._experiment_id(client, tracking.experiment_name("math500"))
+    exp_id = ensure_experiment(client, experiment_name("math500"))
     run_id = _log_eval(client, exp_id, "job", 100, 0.5)
     v = verdicts.paired_test(np.r_[np.ones(30), np.zeros(70)], grid=1)
     verdicts.log_verdicts(client, run_id, {"best": v}, step=100)

@@ -103,7 +103,8 @@ def provenance(flow_run_id: str, logged_by: str | None, computed: dict | None, l
         return []
     if computed is None or computed.get("cache_hit_rate", 1.0) >= 1.0:
         return ["this evaluation was computed and logged before: nothing was recomputed"]
-    from evaldag.tracking import differing_results, mlflow_key
+    from evaldag.tracking.names import mlflow_key
+    from evaldag.tracking.write import differing_results
 
     lines = [f"recomputed by this flow run ({computed.get('cache_hit_rate', 0.0):.0%} of its stages reused): the "
              f"figures below are this run's; the MLflow run keeps those logged first by flow run {logged_by}"]
@@ -168,7 +169,7 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
     from mlflow import MlflowClient
     from rich.table import Table
 
-    from evaldag.tracking import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name, mlflow_key
+    from evaldag.tracking.names import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name, mlflow_key
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))

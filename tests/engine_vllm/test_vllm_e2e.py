@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 from prefect.deployments import run_deployment
 
 from cluster_helpers import alive, flow_run_processes
-from evaldag.tracking import experiment_name, load_samples
+from evaldag.tracking.names import experiment_name
+from evaldag.tracking.samples import load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 

@@ -1,9 +1,8 @@
-"""The track stage: one MLflow run per (checkpoint, benchmark), found again by its eval_key.
+"""The track stage: one MLflow run per (checkpoint, benchmark), found again by its eval_key, and written by one writer.
 
 Logging the same evaluation twice returns the existing finished run instead of creating a second one. Runs carry
-the training job (`train_run` tag) and the checkpoint step, so the job's history (earlier checkpoints) can be read
-back for the cross-checkpoint diagnostics and the accuracy/reward-vs-step plots. The tracking server comes from
-MLFLOW_TRACKING_URI (the local stack exports it to every worker).
+the training job (`train_run` tag) and the checkpoint step, so the job's history (earlier checkpoints, read by
+evaldag.tracking.history) feeds the cross-checkpoint diagnostics and the accuracy/reward-vs-step plots logged here.
 """
 
 from __future__ import annotations
@@ -12,13 +11,11 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -27,27 +24,19 @@ import polars as pl
 from evaldag import faults, store
 from evaldag.diagnostics import Diagnostic
 from evaldag.plan import EvalPlan
-from evaldag.run_claims import (HEARTBEAT_TAG, TrackingBusy, TrackingUnavailable, claim_run, current_writer,
-                                heartbeat, keeping_lease, lease_seconds, still_writer, take_writer)
+from evaldag.run_claims import (TrackingBusy, claim_run, current_writer, heartbeat, keeping_lease, lease_seconds,
+                                still_writer, take_writer)
 from evaldag.series import comparison_key, describe, series_label
+from evaldag.tracking import client as tracking_client
+from evaldag.tracking.history import history_diagnostics, job_history, plot_history
+from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, JOBS_EXPERIMENT, SETTINGS_TAG,
+                                    TRAINING_KIND, experiment_name, mlflow_key, run_url)
 from evaldag.triggers import plan_settings_key
 
 log = logging.getLogger("evaldag")
 
-EXPERIMENT_PREFIX = "evaldag"
-# One run per training job, holding every benchmark's headline metrics at step = checkpoint step: its chart view
-# draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
-# child runs link to it with the tag evaldag.parent_run_id instead.)
-JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
-COMPARISON_TAG = "evaldag.comparison_key"
-SETTINGS_TAG = "evaldag.settings_key"
-# MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
-# charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-TRAINING_KIND = "custom_model_development"
+# The headline metrics of an evaluation that its training job's parent run gets, one curve per kind of evaluation.
 HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
-# Set on a finished run when a later computation of the same evaluation found other results (which, and by whom).
-DIFFERS_TAG = "evaldag.recomputation_differs"
 
 
 @dataclass(frozen=True)
@@ -57,16 +46,6 @@ class TrackedRun:
     created: bool           # False when an earlier finished run with the same eval_key was found
     url: str | None         # link into the MLflow UI when the tracking URI is an http server
     diagnostics: list[Diagnostic] = field(default_factory=list)
-
-
-def experiment_name(benchmark: str) -> str:
-    """One experiment per benchmark family, e.g. evaldag-math500."""
-    return f"{EXPERIMENT_PREFIX}-{benchmark}"
-
-
-def mlflow_key(name: str) -> str:
-    """MLflow metric names allow [A-Za-z0-9_-. /:]; pass@4 becomes pass_at_4."""
-    return re.sub(r"[^\w.\- /:]", "_", name.replace("@", "_at_"))
 
 
 def differing_results(computed: dict, logged: dict) -> list[str]:
@@ -82,19 +61,6 @@ def differing_results(computed: dict, logged: dict) -> list[str]:
             if k not in MEASUREMENT_KEYS and not same(float(v), logged.get(mlflow_key(k)))]
 
 
-def _client():
-    from mlflow import MlflowClient
-
-    return MlflowClient()
-
-
-def preload() -> None:
-    """Import the MLflow client now. It is imported where it is used, not with this module: 2-3 s of imports that
-    an evaluation flow would otherwise pay before its shards start; the flow calls this while they run instead."""
-    import mlflow.entities  # noqa: F401
-    import mlflow.tracking  # noqa: F401
-
-
 def find_run(client, experiment_id: str, eval_key: str):
     """The newest run of the experiment tagged with `eval_key` (a finished one first), or None."""
     runs = client.search_runs([experiment_id], filter_string=f"tags.eval_key = '{eval_key}'",
@@ -103,7 +69,7 @@ def find_run(client, experiment_id: str, eval_key: str):
     return (finished or runs or [None])[0]
 
 
-def _experiment_id(client, name: str) -> str:
+def ensure_experiment(client, name: str) -> str:
     """The experiment's id (get-or-create), marked as a model-training experiment whether new or already there."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
@@ -123,7 +89,7 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
     one parent. A parent logged before claims existed (the oldest one) is claimed as it is."""
     if requested:
         return requested
-    exp_id = _experiment_id(client, JOBS_EXPERIMENT)
+    exp_id = ensure_experiment(client, JOBS_EXPERIMENT)
 
     def legacy() -> str | None:
         runs = client.search_runs([exp_id], filter_string=f"tags.train_run = '{train_run}' and tags.kind = "
@@ -139,85 +105,6 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
     return run_id
 
 
-def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
-    """(checkpoint folder, step, settings key) of every finished evaluation of `benchmark`: what the sweeper need
-    not redo (evaldag.triggers.evaluated_key builds the same triple from its settings). A run logged before
-    settings keys existed has an empty one, so the sweeper evaluates its checkpoint again (from the result store's
-    cache when the stages are there)."""
-    client = _client()
-    exp = client.get_experiment_by_name(experiment_name(benchmark))
-    if exp is None:
-        return set()
-    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
-                              max_results=50000)
-    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")),
-             r.data.tags.get(SETTINGS_TAG, "")) for r in runs}
-
-
-def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
-    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures.
-
-    With `comparison` (evaldag.series.comparison_key), only the evaluations that measured the same thing: a quick
-    slice or another sampling setting is another series, never a point of this one."""
-    like = f" and tags.`{COMPARISON_TAG}` = '{comparison}'" if comparison else ""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
-                              f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"],
-                              max_results=5000)
-    rows, seen = [], set()
-    for r in runs:
-        m = r.data.metrics
-        if "step" not in m or m["step"] in seen or "reward/mean" not in m:
-            continue
-        seen.add(m["step"])
-        rows.append({"step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
-                     "reward_std": m.get("reward/std", float("nan")), "n_samples": m.get("n_samples", 1.0)})
-    schema = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
-              "n_samples": pl.Float64}
-    return pl.DataFrame(rows, schema=schema).sort("step")
-
-
-def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> list[Diagnostic]:
-    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough);
-    `compared` says in each diagnostic which evaluations were set side by side (evaldag.series.describe)."""
-    from dataclasses import replace
-
-    from evaldag.diagnostics import accuracy_reward_divergence, reward_fluctuation
-
-    out = []
-    for fn, need in ((reward_fluctuation, 2), (accuracy_reward_divergence, 3)):
-        if history.height >= need:
-            out.append(fn(history))
-        else:
-            name = fn.__name__
-            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job evaluated "
-                                  f"alike; {history.height} so far.", "None.", {"n_checkpoints": history.height}))
-    if compared:
-        out = [replace(d, explanation=f"{d.explanation} Compared: checkpoints {history['step'].to_list()}, each "
-                                      f"evaluated on {compared}.", details={**d.details, "compared": compared})
-               for d in out]
-    return out
-
-
-def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
-    """PNG of accuracy and mean reward against step for one training job."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(history["step"], history["accuracy"], "o-", label="accuracy")
-    ax.plot(history["step"], history["reward_mean"], "s--", label="mean reward")
-    ax.set_xlabel("training step")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
-
-
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s: float | None = None,
           wait_s: float | None = None) -> TrackedRun:
     """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet into the evaluation's one
@@ -227,8 +114,8 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     was this flow run's own earlier attempt (same `flow_run_id`), or its writer's heartbeat is older than `lease_s`
     (a crash). While another writer is alive this call waits up to `wait_s` (default lease + 30 s) for it to finish,
     then raises TrackingBusy, which the track task retries."""
-    client = _client()
-    exp_id = _experiment_id(client, experiment_name(plan.benchmark.name))
+    client = tracking_client.mlflow_client()
+    exp_id = ensure_experiment(client, experiment_name(plan.benchmark.name))
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
     lease_s = lease_seconds() if lease_s is None else lease_s
     owner = flow_run_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -243,7 +130,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         if client.get_run(run_id).data.tags.get(SETTINGS_TAG) != tags[SETTINGS_TAG]:
             _set_tag_best_effort(client, run_id, SETTINGS_TAG, tags[SETTINGS_TAG])
         _flag_differing_results(client, run_id, metrics, flow_run_id or owner)
-        return TrackedRun(run_id, exp_id, False, _url(uri, exp_id, run_id))
+        return TrackedRun(run_id, exp_id, False, run_url(uri, exp_id, run_id))
     current = client.get_run(run_id)
     writing = _Writing(client, run_id, current_writer(current)[0], int(time.time() * 1000), plan.request.step)
     with keeping_lease(client, run_id, owner, writing.generation, lease_s):
@@ -256,7 +143,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
         raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
     client.set_terminated(run_id, "FINISHED")
-    return TrackedRun(run_id, exp_id, True, _url(uri, exp_id, run_id), diags)
+    return TrackedRun(run_id, exp_id, True, run_url(uri, exp_id, run_id), diags)
 
 
 def _flag_differing_results(client, run_id: str, metrics: dict, by: str) -> None:
@@ -457,50 +344,4 @@ def _set_tag_best_effort(client, run_id: str, key: str, value: str) -> None:
             log.info("tag %s of run %s not set (%s)", key, run_id, e)
 
 
-def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
-    """Log every finished evaluation in the result store that MLflow does not have yet (e.g. the tracking server
-    was down longer than the track task's retries); returns the runs it created."""
-    from evaldag.plan import load_plan
-
-    root = store.as_path(results_root) if results_root is not None else store.root()
-    created = []
-    for metrics_file in sorted(root.glob("*/*/metrics.json"), key=str):
-        plan_file = metrics_file.with_name("plan.json")
-        if not plan_file.is_file():
-            continue
-        try:
-            run = track(load_plan(plan_file), json.loads(metrics_file.read_text()))
-        except TrackingBusy as e:         # being logged right now by its own evaluation
-            log.warning("skipping %s: %s", plan_file, e)
-            continue
-        if run.created:
-            created.append(run)
-    return created
-
-
-# The UI's global "GenAI / Model training" switch starts on GenAI in a fresh browser whatever the experiment's kind;
-# links evaldag prints carry the training one so they open on runs and charts.
-UI_TRAINING = "workflowType=machine_learning"
-
-
-def _url(uri: str, exp_id: str, run_id: str) -> str | None:
-    if uri.startswith("http"):
-        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{UI_TRAINING}"
-    return None
-
-
-def charts_url(uri: str, exp_id: str) -> str:
-    """The MLflow UI's chart view of an experiment: every logged metric against step, one series per run."""
-    return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
-
-
-def load_samples(run_id: str) -> pl.DataFrame:
-    """Download and read a run's per-sample parquet (for tools and tests)."""
-    import mlflow
-
-    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="samples/samples.parquet")
-    return pl.read_parquet(local)
-
-
-__all__ = ["track", "TrackedRun", "TrackingBusy", "TrackingUnavailable", "charts_url", "experiment_name", "find_run",
-           "job_history", "load_samples", "mlflow_key", "HEARTBEAT_TAG"]
+__all__ = ["TrackedRun", "differing_results", "ensure_experiment", "find_run", "parent_run", "track"]

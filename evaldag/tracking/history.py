@@ -1,0 +1,95 @@
+"""A training job's history, read back from MLflow: which checkpoints are evaluated already (the sweeper's lookup),
+the job's evaluations one row per step, and the cross-checkpoint diagnostics and plot the track stage draws from it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from evaldag.diagnostics import Diagnostic
+from evaldag.tracking import client as tracking_client
+from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name
+
+
+def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
+    """(checkpoint folder, step, settings key) of every finished evaluation of `benchmark`: what the sweeper need
+    not redo (evaldag.triggers.evaluated_key builds the same triple from its settings). A run logged before
+    settings keys existed has an empty one, so the sweeper evaluates its checkpoint again (from the result store's
+    cache when the stages are there)."""
+    client = tracking_client.mlflow_client()
+    exp = client.get_experiment_by_name(experiment_name(benchmark))
+    if exp is None:
+        return set()
+    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
+                              max_results=50000)
+    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")),
+             r.data.tags.get(SETTINGS_TAG, "")) for r in runs}
+
+
+def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
+    """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures.
+
+    With `comparison` (evaldag.series.comparison_key), only the evaluations that measured the same thing: a quick
+    slice or another sampling setting is another series, never a point of this one."""
+    like = f" and tags.`{COMPARISON_TAG}` = '{comparison}'" if comparison else ""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
+                              f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"],
+                              max_results=5000)
+    rows, seen = [], set()
+    for r in runs:
+        m = r.data.metrics
+        if "step" not in m or m["step"] in seen or "reward/mean" not in m:
+            continue
+        seen.add(m["step"])
+        rows.append({"step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
+                     "reward_std": m.get("reward/std", float("nan")), "n_samples": m.get("n_samples", 1.0)})
+    schema = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
+              "n_samples": pl.Float64}
+    return pl.DataFrame(rows, schema=schema).sort("step")
+
+
+def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> list[Diagnostic]:
+    """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough);
+    `compared` says in each diagnostic which evaluations were set side by side (evaldag.series.describe)."""
+    from dataclasses import replace
+
+    from evaldag.diagnostics import accuracy_reward_divergence, reward_fluctuation
+
+    out = []
+    for fn, need in ((reward_fluctuation, 2), (accuracy_reward_divergence, 3)):
+        if history.height >= need:
+            out.append(fn(history))
+        else:
+            name = fn.__name__
+            out.append(Diagnostic(name, False, f"Needs at least {need} checkpoints of this training job evaluated "
+                                  f"alike; {history.height} so far.", "None.", {"n_checkpoints": history.height}))
+    if compared:
+        out = [replace(d, explanation=f"{d.explanation} Compared: checkpoints {history['step'].to_list()}, each "
+                                      f"evaluated on {compared}.", details={**d.details, "compared": compared})
+               for d in out]
+    return out
+
+
+def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
+    """PNG of accuracy and mean reward against step for one training job."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(history["step"], history["accuracy"], "o-", label="accuracy")
+    ax.plot(history["step"], history["reward_mean"], "s--", label="mean reward")
+    ax.set_xlabel("training step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+__all__ = ["evaluated_checkpoints", "history_diagnostics", "job_history", "plot_history"]

@@ -1,0 +1,49 @@
+"""What evaldag's MLflow objects are called: experiment names, metric keys, the tags runs are found by, and links
+into the MLflow UI. Plain strings without MLflow, so that readers (`evaldag compare`, verdicts) need not load it."""
+
+from __future__ import annotations
+
+import re
+
+EXPERIMENT_PREFIX = "evaldag"
+# One run per training job, holding every benchmark's headline metrics at step = checkpoint step: its chart view
+# draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
+# child runs link to it with the tag evaldag.parent_run_id instead.)
+JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
+COMPARISON_TAG = "evaldag.comparison_key"
+SETTINGS_TAG = "evaldag.settings_key"
+# MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
+# charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+# Set on a finished run when a later computation of the same evaluation found other results (which, and by whom).
+DIFFERS_TAG = "evaldag.recomputation_differs"
+# The UI's global "GenAI / Model training" switch starts on GenAI in a fresh browser whatever the experiment's kind;
+# links evaldag prints carry the training one so they open on runs and charts.
+UI_TRAINING = "workflowType=machine_learning"
+
+
+def experiment_name(benchmark: str) -> str:
+    """One experiment per benchmark family, e.g. evaldag-math500."""
+    return f"{EXPERIMENT_PREFIX}-{benchmark}"
+
+
+def mlflow_key(name: str) -> str:
+    """MLflow metric names allow [A-Za-z0-9_-. /:]; pass@4 becomes pass_at_4."""
+    return re.sub(r"[^\w.\- /:]", "_", name.replace("@", "_at_"))
+
+
+def run_url(uri: str, exp_id: str, run_id: str) -> str | None:
+    """The MLflow UI's page of one run, or None when the tracking URI `uri` is not an http server."""
+    if uri.startswith("http"):
+        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{UI_TRAINING}"
+    return None
+
+
+def charts_url(uri: str, exp_id: str) -> str:
+    """The MLflow UI's chart view of an experiment: every logged metric against step, one series per run."""
+    return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
+
+
+__all__ = ["COMPARISON_TAG", "DIFFERS_TAG", "EXPERIMENT_KIND_TAG", "EXPERIMENT_PREFIX", "JOBS_EXPERIMENT",
+           "SETTINGS_TAG", "TRAINING_KIND", "UI_TRAINING", "charts_url", "experiment_name", "mlflow_key", "run_url"]
