@@ -15,7 +15,7 @@ from os import PathLike
 from pathlib import Path
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from upath import UPath
 
 from evaldag import __version__, store
@@ -31,9 +31,11 @@ from evaldag.schema import INPUT_SCHEMA, read_table, write_table
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
-PIPELINE_VERSION = f"{__version__}/4"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds;
+PIPELINE_VERSION = f"{__version__}/5"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds;
 # 4: vLLM seeds each request by (seed, sample id) instead of (shard seed, batch, position): sampled vLLM
 # completions change (greedy ones do not); its latency_s is the request's own
+# 5: the hf engine prefills each prompt once for its n samples (n > 1): the same distributions, computed in another
+# order, so sampled hf completions may change in rare rows (greedy ones do not)
 
 
 class EvalRequest(BaseModel):
@@ -95,6 +97,7 @@ class EvalPlan(BaseModel):
     stage_dir: str                    # generations/grades/logprobs, shared by evaluations with the same generation_key
     pipeline_version: str = PIPELINE_VERSION
     grader_version: str = GRADER_VERSION
+    _inputs: pl.DataFrame | None = PrivateAttr(default=None)
 
     @property
     def resolved_model(self) -> ResolvedModel:
@@ -139,14 +142,20 @@ class EvalPlan(BaseModel):
         digest = hashlib.sha256(f"{self.sampling.seed}:shard:{shard}".encode()).digest()
         return self.sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "little") >> 2})
 
+    def inputs(self) -> pl.DataFrame:
+        """Every input row of the evaluation, read from the result store once per plan object (load_plan keeps one
+        object per plan file and process, so a shard's flow and tasks read them once)."""
+        if self._inputs is None:
+            self._inputs = read_table(self.path("inputs.parquet"), INPUT_SCHEMA)
+        return self._inputs
+
     def shard_inputs(self, shard: int) -> pl.DataFrame:
         """The input rows of one shard, in the plan's order."""
         if not 0 <= shard < self.num_shards:
             raise ConfigError(f"shard index {shard} is outside 0..{self.num_shards - 1}")
         ids = self.shards[shard]
-        inputs = read_table(self.path("inputs.parquet"), INPUT_SCHEMA)
         order = pl.DataFrame({"sample_id": ids, "_pos": list(range(len(ids)))})
-        return inputs.join(order, on="sample_id").sort("_pos").drop("_pos")
+        return self.inputs().join(order, on="sample_id").sort("_pos").drop("_pos")
 
 
 def compute_eval_key(parts: dict) -> str:

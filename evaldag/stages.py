@@ -360,7 +360,7 @@ def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:
     cap = plan.sampling.max_new_tokens
     if not fit.overflowing(cap):
         return
-    everything = measure(read_table(plan.path("inputs.parquet"), INPUT_SCHEMA)["prompt"].to_list())
+    everything = measure(plan.inputs()["prompt"].to_list())
     check_fits(plan.benchmark.name, plan.resolved_model.engine, everything, cap)
     # reached only where the whole benchmark could not be measured (a server that stopped answering /tokenize)
     raise overflow_error(f"{plan.benchmark.name} (this shard)", plan.resolved_model.engine, fit, cap)

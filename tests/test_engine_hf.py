@@ -50,6 +50,59 @@ def test_sampling_n_is_seeded(engine):
     assert [c.text for c in other[0]] != [c.text for c in a[0]]
 
 
+@pytest.mark.model
+def test_n_samples_share_one_prefill(engine, monkeypatch):
+    """n > 1: each prompt goes through the model once, not n times as `num_return_sequences` does."""
+    s = SamplingConfig(n=3, temperature=1.0, max_new_tokens=8, seed=11)
+    shapes = []
+    real_forward = engine.model.forward
+
+    def recording(*args, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", recording)
+    out = engine.generate_batch(PROMPTS[:2], s, batch_index=0)
+    assert shapes[0][0] == 2 and shapes[0][1] > 10, shapes                 # the prefill: 2 prompts, once each
+    assert all(rows == 6 and width == 1 for rows, width in shapes[1:]), shapes   # then 2 x n rows, a token a step
+    assert [len(c) for c in out] == [3, 3]
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1                  # n samples, not one copied
+
+
+@pytest.mark.model
+def test_a_shared_prefill_gives_the_distributions_of_n_copies():
+    """The next-token distributions after a prefill shared by n samples are those of n copies of the prompt
+    (transformers' own path), step after step while the sampled tokens agree; a left-padded prompt included
+    (its positions must count from its first real token). float32, so that the comparison can be tight."""
+    import torch
+
+    eng = load_engine("hf", resolve_model("smollm2-135m-instruct").path, "float32", batch_size=2)
+    try:
+        enc = eng.tokenizer([eng._format(p) for p in PROMPTS[:2]], return_tensors="pt", padding=True,
+                            add_special_tokens=False)
+        assert (enc["attention_mask"] == 0).any()                         # one row is padded
+        kwargs = dict(max_new_tokens=6, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                      eos_token_id=sorted(eng.eos_ids), pad_token_id=eng.pad_id, return_dict_in_generate=True,
+                      output_logits=True)
+        with torch.inference_mode():
+            torch.manual_seed(5)
+            copies = eng.model.generate(**enc, num_return_sequences=3, cache_implementation="static", **kwargs)
+            shared_inputs = eng._prefilled_once(enc, 3, 6)
+            torch.manual_seed(5)
+            shared = eng.model.generate(**shared_inputs, **kwargs)
+    finally:
+        eng.close()
+    width = enc["input_ids"].shape[1]
+    compared = 0
+    for row in range(6):
+        for step, (a, b) in enumerate(zip(copies.logits, shared.logits)):
+            assert torch.allclose(a[row], b[row], atol=1e-3, rtol=1e-4), (row, step, (a[row] - b[row]).abs().max())
+            compared += 1
+            if copies.sequences[row, width + step] != shared.sequences[row, width + step]:
+                break                                                     # the rows' histories part here
+    assert compared >= 6 * 3
+
+
 def test_unknown_engine_is_named():
     with pytest.raises(ConfigError, match="unknown engine 'vllm2'"):
         load_engine("vllm2", "/x", "bfloat16", 1)
@@ -163,7 +216,8 @@ def test_sampling_draws_from_exactly_the_configured_distribution(opinionated_che
     finally:
         hook.remove()
         eng.close()
-    assert len(drawn) == len(logits) >= 2
-    for raw, probs in zip(logits, drawn):
+    # the first forward is the prefill the n samples share (HFEngine._prefilled_once): it draws nothing
+    assert len(drawn) == len(logits) - 1 >= 2
+    for raw, probs in zip(logits[1:], drawn):
         assert torch.allclose(probs, torch.softmax(raw / 0.7, dim=-1), atol=1e-6)
         assert int((probs > 0).sum(dim=-1).min()) > 1000                 # the whole vocabulary, not a top-k

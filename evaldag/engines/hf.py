@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import hashlib
+import inspect
 import os
 import sys
 import time
@@ -54,7 +55,7 @@ class HFEngine(EngineBase):
 
     The KV cache is "static" (preallocated for prompt + max_new_tokens): the default dynamic cache grows by
     concatenation at every step, which on CPU costs more than the attention over the padded static cache
-    (measured 72.8 s against 83.2 s for 64 MATH-500 prompts x 256 tokens).
+    (docs/performance.md). n samples of a prompt share one prefill (_prefilled_once).
     """
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", batch_size: int = 32,
@@ -114,17 +115,18 @@ class HFEngine(EngineBase):
     def _generate_batch(self, texts: list[str], sampling: SamplingConfig, seed: int) -> list[list[Completion]]:
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         kwargs = dict(max_new_tokens=sampling.max_new_tokens, eos_token_id=sorted(self.eos_ids),
-                      pad_token_id=self.pad_id, num_return_sequences=sampling.n,
-                      cache_implementation=self.cache_implementation)
+                      pad_token_id=self.pad_id)
         if sampling.temperature > 0:
             # top_k=0: no top-k cut (left unset, transformers would apply its default of 50)
             kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        torch.manual_seed(seed)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = self.model.generate(**enc, **kwargs)
+            inputs = (self._prefilled_once(enc, sampling.n, sampling.max_new_tokens) if sampling.n > 1
+                      else dict(enc, cache_implementation=self.cache_implementation))
+            torch.manual_seed(seed)     # after the prefill, which draws nothing: the samples depend on the seed alone
+            out = self.model.generate(**inputs, **kwargs)
         latency = time.perf_counter() - t0
         prompt_lens = enc["attention_mask"].sum(dim=1).tolist()
         new = out[:, enc["input_ids"].shape[1]:].tolist()
@@ -145,6 +147,35 @@ class HFEngine(EngineBase):
                 ))
             per_prompt.append(comps)
         return per_prompt
+
+    def _prefilled_once(self, enc, n: int, max_new_tokens: int) -> dict:
+        """`generate` inputs for n samples of each prompt of `enc`, each prompt having gone through the model once.
+
+        transformers' `num_return_sequences` copies every prompt n times before the prefill, which then costs n
+        times over, and prefill is most of a short sampled generation on CPU (docs/performance.md). Here every
+        prompt but its last token is prefilled once and the cache is repeated n times; `generate` feeds the last
+        token itself (it needs one uncached token per row). Positions count from each row's first real token, as
+        `generate` counts them under left padding. The repeated cache is of the engine's kind (static or dynamic).
+        """
+        from transformers import DynamicCache, StaticCache
+
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        prefix = DynamicCache(config=self.model.config)
+        # the prefill's logits are not used: where the model allows it, none are computed beyond the last position
+        # (all of them would take prompt length x vocabulary floats)
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters else {}
+        self.model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions[:, :-1],
+                   past_key_values=prefix, use_cache=True, **keep)
+        if self.cache_implementation == "static":
+            cache = StaticCache(config=self.model.config, max_cache_len=ids.shape[1] + max_new_tokens)
+            for i, layer in enumerate(prefix.layers):
+                cache.update(layer.keys.repeat_interleave(n, 0), layer.values.repeat_interleave(n, 0), i)
+        else:
+            cache = prefix
+            cache.batch_repeat_interleave(n)
+        return dict(input_ids=ids.repeat_interleave(n, 0), attention_mask=mask.repeat_interleave(n, 0),
+                    past_key_values=cache)
 
     def score(self, prompts: list[str], completion_ids: list[list[int]],
               batch_size: int = 4) -> list[list[float]]:
