@@ -182,35 +182,48 @@ def test_a_full_evaluation_after_a_quick_slice_runs(triggers):
     assert sorted(r.data.metrics["n_samples"] for r in runs) == [1, 2]
 
 
-@pytest.mark.parametrize("payload_fn, message", [
-    (lambda ok: {k: v for k, v in ok.items() if k != "path"}, "path"),
-    (lambda ok: {**ok, "path": "/etc"}, "not under"),
-    (lambda ok: {**ok, "path": str(ROOT / "bad-run" / ".." / "bad-run" / "checkpoint-1")}, ".."),
-    (lambda ok: {**ok, "path": str(ROOT / "bad-run" / "checkpoint-2"), "step": 2}, "no tokenizer"),
-    (lambda ok: {**ok, "step": -5}, "step"),
-    (lambda ok: {**ok, "step": 7}, "says step 1, the event says step 7"),
-    (lambda ok: {**ok, "benchmarks": ["math5000"]}, "unknown benchmarks"),
-], ids=["missing-path", "outside-roots", "traversal", "incomplete", "negative-step", "step-mismatch",
-        "unknown-benchmark"])
-def test_malformed_payloads_fail_their_own_run(triggers, payload_fn, message):
+MALFORMED = {        # what is wrong with the payload -> (how it is made from a good one, what the failure must say)
+    "missing-path": (lambda ok: {k: v for k, v in ok.items() if k != "path"}, "path"),
+    "outside-roots": (lambda ok: {**ok, "path": "/etc"}, "not under"),
+    "traversal": (lambda ok: {**ok, "path": str(ROOT / "bad-run" / ".." / "bad-run" / "checkpoint-1")}, ".."),
+    "incomplete": (lambda ok: {**ok, "path": str(ROOT / "bad-run" / "checkpoint-2"), "step": 2}, "no tokenizer"),
+    "negative-step": (lambda ok: {**ok, "step": -5}, "step"),
+    "step-mismatch": (lambda ok: {**ok, "step": 7}, "says step 1, the event says step 7"),
+    "unknown-benchmark": (lambda ok: {**ok, "benchmarks": ["math5000"]}, "unknown benchmarks"),
+}
+
+
+def test_malformed_payloads_fail_their_own_run(triggers):
+    """Each hostile or broken payload fails its own on-checkpoint run with a message naming the problem, and starts
+    no evaluation. All are sent at once (the cpu worker runs them side by side) and checked one by one."""
     incomplete = ROOT / "bad-run" / "checkpoint-2"
     incomplete.mkdir(parents=True, exist_ok=True)
     (incomplete / "config.json").write_text("{}")
     (incomplete / "model.safetensors").write_bytes(b"\0" * 8)
     ok = {"path": str(_checkpoint("bad-run", 1)), "step": 1, "train_run": "bad-run", "benchmarks": ["math500"]}
-    payload = payload_fn(ok)
-    marker = f"marker-{uuid.uuid4().hex[:8]}"
-    payload["extra"] = {"marker": marker}
-    event = {"id": str(uuid.uuid4()), "occurred": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "event": "evaldag.checkpoint.saved",
-             "resource": {"prefect.resource.id": "evaldag.train-run.bad-run", "prefect.resource.name": "bad-run"},
-             "payload": payload}
-    r = httpx.post(f"{triggers.settings.prefect_api_url}/events", json=[event], timeout=10)
+    events, markers = [], {}
+    for case, (payload_fn, _) in MALFORMED.items():
+        payload = payload_fn(ok)
+        markers[case] = payload["extra"] = {"marker": f"{case}-{uuid.uuid4().hex[:8]}"}
+        events.append({"id": str(uuid.uuid4()), "occurred": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                       "event": "evaldag.checkpoint.saved", "payload": payload,
+                       "resource": {"prefect.resource.id": "evaldag.train-run.bad-run",
+                                    "prefect.resource.name": "bad-run"}})
+    r = httpx.post(f"{triggers.settings.prefect_api_url}/events", json=events, timeout=10)
     assert r.status_code == 204
-    run = _final_run_for("on-checkpoint", lambda fr: fr.parameters.get("event", {}).get("extra", {})
-                         .get("marker") == marker)
-    assert run.state.is_failed()
-    assert message in run.state.message, run.state.message
+
+    def marker_of(fr) -> dict | None:
+        return fr.parameters.get("event", {}).get("extra")
+
+    def all_final():
+        runs = {case: [fr for fr in _runs("on-checkpoint") if marker_of(fr) == marker]
+                for case, marker in markers.items()}
+        return runs if all(len(rs) == 1 and rs[0].state and rs[0].state.is_final() for rs in runs.values()) else None
+    runs = _wait_for(all_final, timeout=600)
+    for case, (_, message) in MALFORMED.items():
+        [run] = runs[case]
+        assert run.state.is_failed(), (case, run.state)
+        assert message in run.state.message, (case, run.state.message)
     assert not [r for r in _runs("math500") if r.parameters.get("train_run") == "bad-run"]
 
 
