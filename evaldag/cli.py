@@ -290,6 +290,8 @@ def run(
                                                      "folder)")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="also give a paired verdict against this evaluation: a "
                                                     "run id, checkpoint path, model name or JOB@STEP")] = None,
+    final_step: Annotated[Optional[int], typer.Option(help="the training job's planned last step: its parent run "
+                                                      "gets a forecast of the accuracy there")] = None,
 ) -> None:
     """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result
     and the paired verdicts against the job's previous and best checkpoints (and --baseline)."""
@@ -299,7 +301,8 @@ def run(
     stack = Stack()
     sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
-                                    sampling=sampling, train_run=train_run, baseline=baseline).items()
+                                    sampling=sampling, train_run=train_run, baseline=baseline,
+                                    final_step=final_step).items()
               if v is not None}
     runner.run_and_report(stack, benchmark, params)
 
