@@ -333,9 +333,9 @@ def _log_forecast(w: _Writing, plan: EvalPlan, history: pl.DataFrame, parent: st
     final = plan.request.final_step
     try:
         fc = forecast(history, final)
-        for run in (parent, w.run_id):
-            w.client.set_tag(run, mlflow_key(f"{FORECAST_TAG}.{series}"), fc.describe()[:5000])
-            w.client.set_tag(run, FINAL_STEP_TAG, str(final))
+        for run in (parent, w.run_id):   # the parent's tags are set by every evaluation of the job, maybe at once
+            _set_tag_best_effort(w.client, run, mlflow_key(f"{FORECAST_TAG}.{series}"), fc.describe()[:5000])
+            _set_tag_best_effort(w.client, run, FINAL_STEP_TAG, str(final))
         if fc.made:
             w.client.log_batch(parent, metrics=[
                 Metric(mlflow_key(f"{series}/forecast/{k}"), v, w.now_ms, w.step)
