@@ -74,6 +74,7 @@ class CheckpointEvent(BaseModel):
         None, min_length=1, description="benchmark names (configs/benchmarks/<name>.yaml); None = the default")
     model: str | None = Field(None, min_length=1)
     mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)
+    final_step: int | None = Field(None, ge=1, description="the job's planned last step, for its forecast")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -290,6 +290,8 @@ def run(
                                                      "folder)")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="also give a paired verdict against this evaluation: a "
                                                     "run id, checkpoint path, model name or JOB@STEP")] = None,
+    final_step: Annotated[Optional[int], typer.Option(min=1, help="the training job's planned last step: its "
+                                                      "parent run gets a forecast of the accuracy there")] = None,
 ) -> None:
     """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result
     and the paired verdicts against the job's previous and best checkpoints (and --baseline)."""
@@ -299,7 +301,8 @@ def run(
     stack = Stack()
     sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
-                                    sampling=sampling, train_run=train_run, baseline=baseline).items()
+                                    sampling=sampling, train_run=train_run, baseline=baseline,
+                                    final_step=final_step).items()
               if v is not None}
     runner.run_and_report(stack, benchmark, params)
 
@@ -359,13 +362,17 @@ def compare(
     alpha: Annotated[float, typer.Option(help="level of --verdicts' intervals and tests")] = 0.05,
     baseline: Annotated[Optional[str], typer.Option(help="--verdicts also against this evaluation: a run id, "
                                                     "checkpoint path, model name or JOB@STEP")] = None,
+    final_step: Annotated[Optional[int], typer.Option(min=1, help="forecast every job's accuracy at this step "
+                                                      "(default: the final step its evaluations were given, if "
+                                                      "any)")] = None,
 ) -> None:
     """Checkpoints x benchmarks from MLflow: accuracy, interval, delta to the previous and the best checkpoint;
-    with --verdicts, paired verdicts per evaluation (evaldag/verdicts.py)."""
+    each job's forecast at its final step and the jobs falling behind another at the same step
+    (evaldag/forecast.py); with --verdicts, paired verdicts per evaluation (evaldag/verdicts.py)."""
     from rich.console import Console
 
     from evaldag.runtime import runner
-    from evaldag.compare import collect, render
+    from evaldag.compare import collect, falling_behind, forecasts, render
     from evaldag.runtime.stack import Stack
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
@@ -375,6 +382,14 @@ def compare(
         console.print("no finished evaluations in MLflow yet; run one with `evaldag run math500 --limit 20`")
         return
     console.print(render(df))
+    predicted = forecasts(df, final_step)
+    for f in predicted.iter_rows(named=True):
+        what = (f"forecast at step {f['final_step']}: {f['value']:.1%} [{f['low']:.1%}, {f['high']:.1%}] (80% band)"
+                if f["made"] else f"no forecast at step {f['final_step']}: {f['reason']}")
+        console.print(f"{f['train_run']} on {f['benchmark']}: {what}")
+    for bench, d in falling_behind(df):
+        if d.fired:
+            console.print(f"[red]falling behind[/] on {bench}: {d.explanation}")
     if verdicts:
         from evaldag import verdicts as paired
         from evaldag.tracking.samples import load_samples
@@ -386,7 +401,7 @@ def compare(
     if plot is not None:
         from evaldag.compare import plot as draw
 
-        console.print(f"plot written to {draw(df, plot)}")
+        console.print(f"plot written to {draw(df, plot, predicted)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Compare checkpoints across benchmarks from MLflow: one row per (training job, step), one column per benchmark,
-accuracy with its interval and deltas to the job's previous and best checkpoint."""
+accuracy with its interval and deltas to the job's previous and best checkpoint; each job's forecast at its planned
+final step and whether it falls behind another job at the same step (evaldag.forecast)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import polars as pl
 
-from evaldag.tracking.names import EXPERIMENT_PREFIX
+from evaldag.diagnostics import Diagnostic
+from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, FINAL_STEP_TAG
 
 
 def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | None = None) -> pl.DataFrame:
@@ -32,12 +34,16 @@ def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | No
             m, t = r.data.metrics, r.data.tags
             if "accuracy" not in m or (jobs and t.get("train_run") not in jobs):
                 continue
+            final = t.get(FINAL_STEP_TAG, "")
             rows.append({"train_run": t.get("train_run", t.get("model", "?")), "step": int(m.get("step", 0)),
                          "benchmark": t.get("benchmark", "?"), "accuracy": m["accuracy"],
                          "ci_low": m.get("accuracy_ci_low"), "ci_high": m.get("accuracy_ci_high"),
-                         "reward": m.get("reward/mean"), "start": r.info.start_time})
+                         "reward": m.get("reward/mean"), "n_samples": m.get("n_samples"),
+                         "comparison_key": t.get(COMPARISON_TAG), "final_step": int(final) if final.isdigit() else None,
+                         "start": r.info.start_time})
     schema = {"train_run": pl.Utf8, "step": pl.Int64, "benchmark": pl.Utf8, "accuracy": pl.Float64,
-              "ci_low": pl.Float64, "ci_high": pl.Float64, "reward": pl.Float64, "start": pl.Int64}
+              "ci_low": pl.Float64, "ci_high": pl.Float64, "reward": pl.Float64, "n_samples": pl.Float64,
+              "comparison_key": pl.Utf8, "final_step": pl.Int64, "start": pl.Int64}
     df = pl.DataFrame(rows, schema=schema)
     # the latest run per (job, step, benchmark): a re-evaluation supersedes an older one
     df = df.sort("start", descending=True).unique(["train_run", "step", "benchmark"], keep="first")
@@ -46,6 +52,52 @@ def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | No
                 delta_prev=pl.col("accuracy") - pl.col("accuracy").shift(1).over("train_run", "benchmark"),
                 delta_best=pl.col("accuracy") - pl.col("accuracy").max().over("train_run", "benchmark"))
             .drop("start"))
+
+
+def _series(df: pl.DataFrame) -> pl.DataFrame:
+    """The rows a job's curve is made of: per (job, benchmark), those with the comparison key of its latest step
+    (a quick slice or another sampling setting is another series; evaldag.series), with their sample counts."""
+    latest = (df.sort("step").group_by("train_run", "benchmark", maintain_order=True)
+              .agg(key=pl.col("comparison_key").last()))
+    return (df.join(latest, on=["train_run", "benchmark"])
+            .filter(pl.col("comparison_key").eq_missing(pl.col("key")) & pl.col("n_samples").is_not_null())
+            .drop("key").sort("train_run", "benchmark", "step"))
+
+
+def forecasts(df: pl.DataFrame, final_step: int | None = None) -> pl.DataFrame:
+    """Each (job, benchmark)'s forecast at its final step: `final_step` when given, else the one its evaluations
+    were tagged with (the trainer's or the request's); jobs with neither are left out. Columns: train_run,
+    benchmark, final_step, made, value, low, high, reason, A, R0, s_mid, B (the fitted curve, for the plot)."""
+    from evaldag.forecast import forecast
+
+    rows = []
+    for (job, bench), g in _series(df).group_by("train_run", "benchmark", maintain_order=True):
+        final = final_step or g["final_step"].max()
+        if final is None:
+            continue
+        fc = forecast(g, int(final))
+        rows.append({"train_run": job, "benchmark": bench, "final_step": fc.final_step, "made": fc.made,
+                     "value": fc.value, "low": fc.low, "high": fc.high, "reason": fc.reason,
+                     **{k: fc.params.get(k) for k in ("A", "R0", "s_mid", "B")}})
+    schema = {"train_run": pl.Utf8, "benchmark": pl.Utf8, "final_step": pl.Int64, "made": pl.Boolean,
+              "value": pl.Float64, "low": pl.Float64, "high": pl.Float64, "reason": pl.Utf8,
+              **{k: pl.Float64 for k in ("A", "R0", "s_mid", "B")}}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def falling_behind(df: pl.DataFrame, alpha: float = 0.05) -> list[tuple[str, Diagnostic]]:
+    """(benchmark, diagnostic) for every job of `df` checked against the other jobs measured alike (same benchmark
+    and comparison key) at its latest step (evaldag.forecast.falling_behind)."""
+    from evaldag.forecast import falling_behind as check
+
+    out = []
+    for (bench, _), g in _series(df).group_by("benchmark", "comparison_key", maintain_order=True):
+        jobs = {job: h for (job,), h in g.group_by("train_run", maintain_order=True)}
+        if len(jobs) < 2:
+            continue
+        out += [(bench, check(job, h, {o: oh for o, oh in jobs.items() if o != job}, alpha))
+                for job, h in jobs.items()]
+    return out
 
 
 def render(df: pl.DataFrame):
@@ -78,9 +130,11 @@ def render(df: pl.DataFrame):
     return table
 
 
-def figure(df: pl.DataFrame):
+def figure(df: pl.DataFrame, predicted: pl.DataFrame | None = None):
     """Accuracy (with its interval as a band) and mean reward against step, one line per training job; one column
-    of the two panels per benchmark. Returns the matplotlib Figure (Agg backend: no display needed)."""
+    of the two panels per benchmark. With `predicted` (`forecasts(df)`), each job's fitted curve is drawn dashed
+    out to its final step, with the forecast's band there as an error bar. Returns the matplotlib Figure (Agg
+    backend: no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +157,11 @@ def figure(df: pl.DataFrame):
             if g["reward"].null_count() < g.height:
                 r = g.filter(pl.col("reward").is_not_null())
                 rew_ax.plot(r["step"].to_list(), r["reward"].to_list(), "s--", label=job, color=line.get_color())
-        acc_ax.set_title(f"{bench}: accuracy (95% interval)")
+            if predicted is not None:
+                _draw_forecast(acc_ax, predicted.filter((pl.col("train_run") == job) & (pl.col("benchmark") == bench)
+                                                        & pl.col("made")), steps, line.get_color(), job)
+        acc_ax.set_title(f"{bench}: accuracy (95% interval; forecast: 80% band)" if predicted is not None
+                         and predicted.height else f"{bench}: accuracy (95% interval)")
         acc_ax.set_ylabel("accuracy")
         rew_ax.set_title(f"{bench}: mean reward")
         rew_ax.set_ylabel("mean reward")
@@ -115,13 +173,28 @@ def figure(df: pl.DataFrame):
     return fig
 
 
-def plot(df: pl.DataFrame, out: str | Path) -> Path:
-    """Write `figure(df)` to `out` (PNG, or any format matplotlib knows by the suffix)."""
+def _draw_forecast(ax, fc: pl.DataFrame, steps: list[int], colour: str, job: str) -> None:
+    """The fitted curve from the job's first evaluated step to its final step, and the band at the final step."""
+    import numpy as np
+
+    from evaldag.forecast import sigmoid
+
+    if fc.is_empty():
+        return
+    f = fc.row(0, named=True)
+    xs = np.linspace(min(steps), max(f["final_step"], max(steps)), 100)
+    ax.plot(xs, sigmoid(xs, f["A"], f["R0"], f["s_mid"], f["B"]), ":", color=colour, label=f"{job} forecast")
+    ax.errorbar([f["final_step"]], [f["value"]], yerr=[[f["value"] - f["low"]], [f["high"] - f["value"]]],
+                fmt="D", color=colour, capsize=4)
+
+
+def plot(df: pl.DataFrame, out: str | Path, predicted: pl.DataFrame | None = None) -> Path:
+    """Write `figure(df, predicted)` to `out` (PNG, or any format matplotlib knows by the suffix)."""
     import matplotlib.pyplot as plt
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig = figure(df)
+    fig = figure(df, predicted)
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

@@ -26,6 +26,8 @@ NOT_RESULT_SETTINGS: dict[str, str] = {
                         "plan",
     "request.baseline": "which evaluation this one's paired verdict is computed against, after the results exist; "
                         "no stage reads it",
+    "request.final_step": "the job's planned last step, where its accuracy is forecast from the curve of results "
+                          "already computed; no stage reads it",
     # ---- the benchmark config
     "benchmark.description": "free text for people; no stage reads it",
     # ---- vLLM engine_args that size memory and scheduling. vLLM schedules the sequences of one batch freely

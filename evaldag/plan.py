@@ -63,6 +63,9 @@ class EvalRequest(BaseModel):
                                  description="also compare with this evaluation (paired verdict): a run id, "
                                              "checkpoint path, model name or JOB@STEP, as `evaldag compare "
                                              "--baseline`")
+    # Not part of any key either: where the job is headed, for the forecast logged on its parent run.
+    final_step: int | None = Field(None, ge=1, description="the training job's planned last step: the forecast of "
+                                                           "its accuracy there is logged on the job's parent run")
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":

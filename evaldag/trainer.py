@@ -351,18 +351,22 @@ class CheckpointNotifier:
     Bounds: each HTTP attempt waits at most min(timeout_s, time left); name resolution (DNS) is not covered by
     socket timeouts, so use an IP or a resolvable host name in api_url. While the server stays down, each notify
     makes one attempt only (no retry cycle) until a delivery succeeds again.
+
+    `final_step`, the step training is planned to end at, travels with every event: the job's parent MLflow run
+    then gets a forecast of the accuracy at that step (evaldag.forecast) from the checkpoints evaluated so far.
     """
 
     def __init__(self, train_run: str, api_url: str | None = None, benchmarks: list[str] | None = None,
                  spool_dir: str | Path | None = None, timeout_s: float = 2.0, max_block_s: float = 5.0,
                  retries: int = 3, model: str | None = None, mlflow_parent_run_id: str | None = None,
-                 backoff_s: float = 0.2) -> None:
+                 backoff_s: float = 0.2, final_step: int | None = None) -> None:
         check_train_run(train_run)
         if benchmarks is not None:
             benchmarks = check_benchmark_names(benchmarks)
         if model is not None and (not isinstance(model, str) or not model):
             raise ValueError(f"model must be a non-empty string or None, got {model!r}")
         check_run_id(mlflow_parent_run_id)
+        _positive("final_step", final_step, int)
         _positive("timeout_s", timeout_s, float)
         _positive("max_block_s", max_block_s, float)
         _positive("backoff_s", backoff_s, float)
@@ -372,6 +376,7 @@ class CheckpointNotifier:
         self.benchmarks = benchmarks
         self.model = model
         self.mlflow_parent_run_id = mlflow_parent_run_id
+        self.final_step = final_step
         self.spool_dir = (Path(spool_dir).expanduser() if spool_dir is not None
                           else Path(os.environ.get("EVALDAG_HOME", Path.home() / ".evaldag")).expanduser()
                           / "spool" / train_run).absolute()
@@ -473,7 +478,8 @@ class CheckpointNotifier:
                          "prefect.resource.name": self.train_run},
             "payload": {"path": abspath, "step": step, "epoch": epoch, "train_run": self.train_run,
                         "benchmarks": self.benchmarks, "model": self.model,
-                        "mlflow_parent_run_id": self.mlflow_parent_run_id, "extra": dict(extra)},
+                        "mlflow_parent_run_id": self.mlflow_parent_run_id, "final_step": self.final_step,
+                        "extra": dict(extra)},
         }
 
     def _notify(self, event: dict, deadline: float) -> None:

@@ -309,8 +309,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         trigger = EvalTrigger(freq_steps=args.save_every_steps, freq_epochs=args.save_every_epochs,
                               freq_secs=args.save_every_secs)
+        # final_step: the job's parent MLflow run forecasts the accuracy at the planned end (evaldag.forecast)
         notifier = CheckpointNotifier(train_run=start.train_run, api_url=args.api_url, benchmarks=args.benchmarks,
-                                      spool_dir=paths.home() / "spool" / start.train_run)
+                                      spool_dir=paths.home() / "spool" / start.train_run, final_step=args.max_steps)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if notifier.api_url is None:

@@ -35,6 +35,8 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
         overrides["limit"] = min(limit, overrides.get("limit") or limit)
     if ckpt.mlflow_parent_run_id:   # the trainer made its own MLflow run for the job: log the curves there
         overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id
+    if ckpt.final_step:             # where the job is headed: its forecast is logged for that step
+        overrides["final_step"] = ckpt.final_step
     # one flow run for all benchmarks: each gpu slot loads the checkpoint once for all of them. A repeated event
     # after a failed evaluation means "try again"; after a completed or cancelled one it starts nothing.
     return [start_evaluation(benchmarks, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True,

@@ -49,6 +49,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     dispatch: Literal["deployment", "inline"] = "deployment",
     benchmarks: list[str] | None = None,
     baseline: str | None = None,
+    final_step: int | None = None,
 ) -> dict:
     """Evaluate one checkpoint on `benchmark` (or on every one of `benchmarks`) and log each to MLflow; returns the
     headline figures (for several benchmarks: {"benchmarks": {name: figures}}).
@@ -56,7 +57,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     dispatch="deployment" runs every shard as a flow run of eval-shard/gpu (the normal path, needs gpu workers);
     "inline" runs the shards one after another inside this flow run (no workers needed). `baseline` (a run id,
     checkpoint path, model name or JOB@STEP) adds a paired verdict against that evaluation to each MLflow run, next
-    to those against the job's previous and best checkpoints.
+    to those against the job's previous and best checkpoints. `final_step` (the job's planned last step) gets the
+    job's parent run a forecast of its accuracy there (evaldag.forecast).
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
@@ -65,7 +67,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,
                                       num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
                                       train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine,
-                                      baseline=baseline)
+                                      baseline=baseline, final_step=final_step)
                     for name in names]     # every request is checked before anything is resolved
         # inline shards run one after another: more than one only repeats the engine load
         num_gpus = pool_num_gpus() if dispatch == "deployment" else 1

@@ -69,8 +69,9 @@ def test_valid_event_passes_and_keeps_extra_keys_out(root):
     ckpt = _complete(root / "checkpoint-1200")
     ev = validate_checkpoint_event(_payload(ckpt, epoch=2, benchmarks=["math500"], model="m",
                                             mlflow_parent_run_id="0123456789abcdef0123456789abcdef",
-                                            extra={"lr": 1e-5}, added_by_newer_trainer=True), [root])
-    assert isinstance(ev, CheckpointEvent)
+                                            extra={"lr": 1e-5}, final_step=5000, added_by_newer_trainer=True),
+                                   [root])
+    assert isinstance(ev, CheckpointEvent) and ev.final_step == 5000
     assert (ev.path, ev.step, ev.epoch, ev.benchmarks, ev.extra) == (str(ckpt), 1200, 2, ["math500"], {"lr": 1e-5})
 
 
@@ -94,6 +95,9 @@ def test_error_is_an_evaldag_error(root):
     ({"path": "/x", "step": 1, "train_run": "r", "benchmarks": "math500"}, "benchmarks: Input should be a valid list"),
     ({"path": "/x", "step": 1, "train_run": "r", "benchmarks": ["MATH 500"]}, "benchmarks.0: String should match"),
     ({"path": "/x", "step": 1, "train_run": "r", "extra": []}, "extra: Input should be a valid dictionary"),
+    ({"path": "/x", "step": 1, "train_run": "r", "final_step": 0}, "final_step: Input should be greater than or equal "
+                                                                   "to 1"),
+    ({"path": "/x", "step": 1, "train_run": "r", "final_step": "5000"}, "final_step: Input should be a valid integer"),
 ])
 def test_bad_payloads(root, payload, message):
     with pytest.raises(CheckpointError, match=message):

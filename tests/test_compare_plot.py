@@ -74,3 +74,48 @@ def test_compare_plot_draws_one_line_per_job(mlflow_store, tmp_path):
 def test_plot_of_nothing_says_what_to_do(mlflow_store):
     with pytest.raises(ValueError, match="evaldag run"):
         compare.figure(compare.collect(["math500"], ["nobody"]))
+
+
+def _log_curve_point(client, exp_id: str, job: str, step: int, acc: float, final_step: int | None) -> None:
+    """An evaluation as track() tags it for forecasts: comparison key, sample count, the job's final step."""
+    tags = {"kind": "ckpt_eval", "train_run": job, "benchmark": "math500", "step": f"{step:012d}",
+            "evaldag.comparison_key": "k1"}
+    if final_step:
+        tags["evaldag.final_step"] = str(final_step)
+    run = client.create_run(exp_id, run_name=f"{job}@{step}", tags=tags)
+    for key, value in {"accuracy": acc, "reward/mean": acc, "n_samples": 500.0, "step": step}.items():
+        client.log_metric(run.info.run_id, key, value, step=step)
+    client.set_terminated(run.info.run_id, "FINISHED")
+
+
+def test_compare_forecasts_each_job_and_flags_the_one_falling_behind(mlflow_store, tmp_path):
+    from evaldag.forecast import sigmoid
+
+    client = MlflowClient()
+    exp_id = ensure_experiment(client, experiment_name("math500"))
+    for step in (100, 200, 300, 400, 500, 600):
+        acc = round(float(sigmoid(step, 0.7, 0.2, 300, 1.5)), 3)
+        _log_curve_point(client, exp_id, "job-a", step, acc, 1200)
+        _log_curve_point(client, exp_id, "job-b", step, round(acc - 0.12, 3), None)
+
+    df = compare.collect(["math500"], ["job-a", "job-b"])
+    predicted = compare.forecasts(df)
+    assert predicted["train_run"].to_list() == ["job-a"]                    # job-b names no final step
+    a = predicted.row(0, named=True)
+    assert a["made"] and a["final_step"] == 1200 and a["low"] < sigmoid(1200, 0.7, 0.2, 300, 1.5) < a["high"]
+    assert compare.forecasts(df, final_step=900)["final_step"].to_list() == [900, 900]
+    flags = {d.details["job"]: d for _, d in compare.falling_behind(df)}
+    assert flags["job-b"].fired and "job-b at step 600" in flags["job-b"].explanation
+    assert not flags["job-a"].fired                                          # ahead is not behind
+
+    fig = compare.figure(df, predicted)
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert max(lines["job-a forecast"].get_xdata()) == 1200                 # drawn out to the final step
+    assert "job-b forecast" not in lines
+
+    out = tmp_path / "jobs.png"
+    proc = subprocess.run([sys.executable, "-m", "evaldag.cli", "compare", "-b", "math500", "--plot", str(out)],
+                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "job-a on math500: forecast at step 1200:" in proc.stdout and "falling behind" in proc.stdout
+    assert "job-b at step 600" in proc.stdout

@@ -89,6 +89,7 @@ def _check_events(events: list[dict], out: Path, steps: list[int]) -> None:
         assert payload["benchmarks"] == ["gsm8k"]
         assert payload["epoch"] == step // (len(ROWS) // 2)
         assert payload["extra"] == {"model": MODEL}
+        assert isinstance(payload["final_step"], int) and payload["final_step"] >= step     # --max-steps
     assert len({e["id"] for e in events}) == len(events)
 
 

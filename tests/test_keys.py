@@ -24,6 +24,7 @@ EXAMPLES = {
     "request.mlflow_parent_run_id": "abc123",
     "request.dispatch": "inline",
     "request.baseline": "base-model@0",
+    "request.final_step": 5000,
     "benchmark.description": "other words",
     "model.engine_args.gpu_memory_utilization": 0.5,
     "model.engine_args.max_num_seqs": 3,

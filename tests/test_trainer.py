@@ -177,7 +177,7 @@ def test_delivered_event_shape(server, tmp_path):
     ckpt = tmp_path / "ckpts" / "checkpoint-1200"
     ckpt.mkdir(parents=True)
     n = _notifier(server.url, tmp_path, benchmarks=["math500", "gsm8k"], model="smollm2",
-                  mlflow_parent_run_id="0123456789abcdef0123456789abcdef")
+                  mlflow_parent_run_id="0123456789abcdef0123456789abcdef", final_step=5000)
     event_id = n.notify(ckpt, 1200, epoch=3, lr=1e-5)
     assert len(server.received) == 1
     path, body = server.received[0]
@@ -188,7 +188,8 @@ def test_delivered_event_shape(server, tmp_path):
     assert ev["resource"] == {"prefect.resource.id": "evaldag.train-run.grpo-42", "prefect.resource.name": "grpo-42"}
     assert ev["payload"] == {"path": str(ckpt), "step": 1200, "epoch": 3, "train_run": "grpo-42",
                              "benchmarks": ["math500", "gsm8k"], "model": "smollm2",
-                             "mlflow_parent_run_id": "0123456789abcdef0123456789abcdef", "extra": {"lr": 1e-5}}
+                             "mlflow_parent_run_id": "0123456789abcdef0123456789abcdef", "final_step": 5000,
+                             "extra": {"lr": 1e-5}}
     assert n.pending() == []
 
 
@@ -414,6 +415,9 @@ def test_notify_programmer_errors_raise(server, tmp_path, call, message):
     ({"timeout_s": 0}, "timeout_s must be > 0"),
     ({"max_block_s": -1}, "max_block_s must be > 0"),
     ({"retries": -1}, "retries must be >= 0"),
+    ({"final_step": 0}, "final_step must be > 0"),
+    ({"final_step": "5000"}, "final_step must be an int"),
+    ({"final_step": 5000.0}, "final_step must be an int"),
 ])
 def test_notifier_validation(tmp_path, kwargs, message):
     kwargs = {"train_run": "ok", "api_url": "http://127.0.0.1:1/api", **kwargs}

@@ -28,6 +28,25 @@ def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
              r.data.tags.get(SETTINGS_TAG, "")) for r in runs}
 
 
+_HISTORY_SCHEMA = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
+                   "n_samples": pl.Float64}
+
+
+def _history_rows(runs) -> dict[str, list[dict]]:
+    """Per training job, one row per step from `runs` (newest first: the latest finished run per step wins)."""
+    rows: dict[str, list[dict]] = {}
+    seen: set[tuple[str, float]] = set()
+    for r in runs:
+        m, job = r.data.metrics, r.data.tags.get("train_run", "")
+        if "step" not in m or (job, m["step"]) in seen or "reward/mean" not in m:
+            continue
+        seen.add((job, m["step"]))
+        rows.setdefault(job, []).append({
+            "step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
+            "reward_std": m.get("reward/std", float("nan")), "n_samples": m.get("n_samples", 1.0)})
+    return rows
+
+
 def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
     """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures.
 
@@ -37,17 +56,18 @@ def job_history(client, experiment_id: str, train_run: str, comparison: str | No
     runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
                               f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"],
                               max_results=5000)
-    rows, seen = [], set()
-    for r in runs:
-        m = r.data.metrics
-        if "step" not in m or m["step"] in seen or "reward/mean" not in m:
-            continue
-        seen.add(m["step"])
-        rows.append({"step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
-                     "reward_std": m.get("reward/std", float("nan")), "n_samples": m.get("n_samples", 1.0)})
-    schema = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
-              "n_samples": pl.Float64}
-    return pl.DataFrame(rows, schema=schema).sort("step")
+    rows = [row for job_rows in _history_rows(runs).values() for row in job_rows]
+    return pl.DataFrame(rows, schema=_HISTORY_SCHEMA).sort("step")
+
+
+def comparable_histories(client, experiment_id: str, comparison: str) -> dict[str, pl.DataFrame]:
+    """`job_history` of every training job with evaluations of comparison key `comparison`, by job: what a job
+    can be compared with at the same step (evaldag.forecast.falling_behind)."""
+    runs = client.search_runs([experiment_id], filter_string=f"tags.`{COMPARISON_TAG}` = '{comparison}' and "
+                              "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+                              max_results=50000)
+    return {job: pl.DataFrame(rows, schema=_HISTORY_SCHEMA).sort("step")
+            for job, rows in _history_rows(runs).items() if job}
 
 
 def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> list[Diagnostic]:
@@ -92,4 +112,4 @@ def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
     return out
 
 
-__all__ = ["evaluated_checkpoints", "history_diagnostics", "job_history", "plot_history"]
+__all__ = ["comparable_histories", "evaluated_checkpoints", "history_diagnostics", "job_history", "plot_history"]

@@ -16,6 +16,10 @@ SETTINGS_TAG = "evaldag.settings_key"
 # charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
+# The job's planned last step (evaldag.forecast) as the request named it, on the evaluation's run and the job's
+# parent run; and the forecast there in words, `evaldag.forecast.<series>` (one per kind of evaluation).
+FINAL_STEP_TAG = "evaldag.final_step"
+FORECAST_TAG = "evaldag.forecast"
 # Set on a finished run when a later computation of the same evaluation found other results (which, and by whom).
 DIFFERS_TAG = "evaldag.recomputation_differs"
 # The UI's global "GenAI / Model training" switch starts on GenAI in a fresh browser whatever the experiment's kind;
@@ -45,5 +49,6 @@ def charts_url(uri: str, exp_id: str) -> str:
     return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
 
 
-__all__ = ["COMPARISON_TAG", "DIFFERS_TAG", "EXPERIMENT_KIND_TAG", "EXPERIMENT_PREFIX", "JOBS_EXPERIMENT",
+__all__ = ["COMPARISON_TAG", "DIFFERS_TAG", "EXPERIMENT_KIND_TAG", "EXPERIMENT_PREFIX", "FINAL_STEP_TAG",
+           "FORECAST_TAG", "JOBS_EXPERIMENT",
            "SETTINGS_TAG", "TRAINING_KIND", "UI_TRAINING", "charts_url", "experiment_name", "mlflow_key", "run_url"]

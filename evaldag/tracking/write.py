@@ -28,9 +28,9 @@ from evaldag.run_claims import (TrackingBusy, claim_run, current_writer, heartbe
                                 still_writer, take_writer)
 from evaldag.series import comparison_key, describe, series_label
 from evaldag.tracking import client as tracking_client
-from evaldag.tracking.history import history_diagnostics, job_history, plot_history
-from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, JOBS_EXPERIMENT, SETTINGS_TAG,
-                                    TRAINING_KIND, experiment_name, mlflow_key, run_url)
+from evaldag.tracking.history import comparable_histories, history_diagnostics, job_history, plot_history
+from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, FINAL_STEP_TAG, FORECAST_TAG,
+                                    JOBS_EXPERIMENT, SETTINGS_TAG, TRAINING_KIND, experiment_name, mlflow_key, run_url)
 from evaldag.triggers import plan_settings_key
 
 log = logging.getLogger("evaldag")
@@ -136,8 +136,8 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     with keeping_lease(client, run_id, owner, writing.generation, lease_s):
         _log_results(writing, plan, metrics, tags, None if created else current)
         faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another
-        diags = _log_diagnostics(writing, exp_id, plan, metrics)
-        _log_to_parent_run(writing, plan, metrics)
+        diags, history = _log_diagnostics(writing, exp_id, plan, metrics)
+        _log_to_parent_run(writing, plan, metrics, history)
         _log_verdicts(writing, exp_id, plan)
         _log_artifacts(writing, plan)
     if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
@@ -255,9 +255,11 @@ def _log_results(w: _Writing, plan: EvalPlan, metrics: dict, tags: dict[str, str
     w.heartbeat()
 
 
-def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan, metrics: dict) -> list[Diagnostic]:
-    """The shard test of this evaluation and the job's history including this checkpoint: tags, a markdown
-    report and the accuracy/reward-against-step plot."""
+def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan,
+                     metrics: dict) -> tuple[list[Diagnostic], pl.DataFrame]:
+    """The shard test of this evaluation, the job's history including this checkpoint, and whether the job falls
+    behind another job measured alike: tags, a markdown report and the accuracy/reward-against-step plot. Returns
+    the diagnostics and the job's history (one row per step, this checkpoint included)."""
     diags: list[Diagnostic] = []
     shard_file = plan.path("diagnostics.json")
     if shard_file.is_file():
@@ -268,6 +270,7 @@ def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan, metrics: dict) ->
     history = job_history(w.client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != w.step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
     diags += history_diagnostics(history, describe(plan))
+    diags += _falling_behind(w, exp_id, plan, history)
     from evaldag.diagnostics import to_markdown, to_tags
 
     for k, v in to_tags(diags).items():
@@ -280,11 +283,28 @@ def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan, metrics: dict) ->
         png = plot_history(history, f"{plan.train_run} on {plan.benchmark.name}",
                            Path(tmp) / f"{plan.benchmark.name}_vs_step.png")
         w.client.log_artifact(w.run_id, str(png), artifact_path="plots")
-    return diags
+    return diags, history
 
 
-def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict) -> None:
-    """The training job's parent run gets this benchmark's headline figures at this step."""
+def _falling_behind(w: _Writing, exp_id: str, plan: EvalPlan, history: pl.DataFrame) -> list[Diagnostic]:
+    """evaldag.forecast.falling_behind of this job against the other jobs evaluated alike (same comparison key),
+    or nothing when that cannot be read. Best effort: a comparison with other jobs describes this one, it is not
+    its result."""
+    from evaldag.forecast import falling_behind
+
+    try:
+        others = comparable_histories(w.client, exp_id, comparison_key(plan))
+        others.pop(plan.train_run, None)
+        return [falling_behind(plan.train_run, history, others)] if others else []
+    except Exception as e:  # noqa: BLE001 - the evaluation is tracked whatever other jobs' runs hold
+        log.warning("no falling-behind check for %s@%s on %s: %s: %s", plan.train_run, w.step, plan.benchmark.name,
+                    type(e).__name__, e)
+        return []
+
+
+def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict, history: pl.DataFrame) -> None:
+    """The training job's parent run gets this benchmark's headline figures at this step, and, when the request
+    names the job's final step, the forecast of the accuracy there (`_log_forecast`)."""
     from mlflow.entities import Metric
 
     parent = parent_run(w.client, plan.train_run, plan.request.mlflow_parent_run_id)
@@ -294,7 +314,36 @@ def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict) -> None:
     series = ".".join(filter(None, (plan.benchmark.name, series_label(plan))))
     w.client.log_batch(parent, metrics=[Metric(mlflow_key(f"{series}/{k}"), float(metrics[k]), w.now_ms, w.step)
                                         for k in HEADLINE if k in metrics])
+    if plan.request.final_step is not None:
+        _log_forecast(w, plan, history, parent, series)
     w.heartbeat()
+
+
+def _log_forecast(w: _Writing, plan: EvalPlan, history: pl.DataFrame, parent: str, series: str) -> None:
+    """The forecast of the job's accuracy at its planned final step (evaldag.forecast), made from the checkpoints
+    evaluated alike so far: on the parent run, metrics `<series>/forecast/final_accuracy` (and `_low`, `_high`: the
+    80 % band) at this step, so the chart shows how the forecast moves as the job goes; on both runs, tags with
+    the final step and the forecast in words (or why there is none yet).
+
+    Best effort, like the verdicts: a forecast is about the job, not this evaluation's result."""
+    from mlflow.entities import Metric
+
+    from evaldag.forecast import forecast
+
+    final = plan.request.final_step
+    try:
+        fc = forecast(history, final)
+        for run in (parent, w.run_id):   # the parent's tags are set by every evaluation of the job, maybe at once
+            _set_tag_best_effort(w.client, run, mlflow_key(f"{FORECAST_TAG}.{series}"), fc.describe()[:5000])
+            _set_tag_best_effort(w.client, run, FINAL_STEP_TAG, str(final))
+        if fc.made:
+            w.client.log_batch(parent, metrics=[
+                Metric(mlflow_key(f"{series}/forecast/{k}"), v, w.now_ms, w.step)
+                for k, v in (("final_accuracy", fc.value), ("final_accuracy_low", fc.low),
+                             ("final_accuracy_high", fc.high))])
+    except Exception as e:  # noqa: BLE001 - tracking the evaluation must not fail for its forecast
+        log.warning("no forecast for %s at step %s on %s: %s: %s", plan.train_run, final, plan.benchmark.name,
+                    type(e).__name__, e)
 
 
 def _log_verdicts(w: _Writing, exp_id: str, plan: EvalPlan) -> None:
