@@ -31,6 +31,10 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 # few problems loads it in ~1 s, where a vLLM engine start costs 20-40 s on 2 cores. The default engine itself
 # (vLLM) runs for real in tests/engine_vllm, through the same stack, and test_plan checks that it is the default.
 os.environ.setdefault("EVALDAG_DEFAULT_ENGINE", "hf")
+# Workers poll every second in tests (production: 2 s, test_stack checks it): about 150 flow runs start in a session,
+# each waiting half a poll on average. Stacks started through the CLI read this; the ones built here pass it.
+TEST_WORKER_QUERY_S = 1
+os.environ["EVALDAG_WORKER_QUERY_SECONDS"] = str(TEST_WORKER_QUERY_S)
 for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
     os.environ.pop(var, None)
 
@@ -85,7 +89,8 @@ def live_stack():
     # a shorter MLflow request timeout than production's 30 s (test_stack checks that one): the hung-server test
     # waits out about three of them
     stack = Stack(StackSettings(home=_TMP / "stack-home", prefect_port=prefect_port, mlflow_port=mlflow_port,
-                                mlflow_timeout_s=TEST_MLFLOW_TIMEOUT_S, **extra))
+                                mlflow_timeout_s=TEST_MLFLOW_TIMEOUT_S, worker_query_seconds=TEST_WORKER_QUERY_S,
+                                **extra))
     try:
         stack.up(deploy=True)
         env = {"PREFECT_API_URL": stack.settings.prefect_api_url, "MLFLOW_TRACKING_URI": stack.mlflow_url,

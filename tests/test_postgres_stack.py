@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import free_ports
+from conftest import TEST_WORKER_QUERY_S, free_ports
 from evaldag.runtime import postgres as pg
 from evaldag.errors import StackError
 from evaldag.runtime.stack import POSTGRES, PREFECT_SERVER, Stack, StackSettings
@@ -28,7 +28,8 @@ def pg_stack(tmp_path):
     root.chmod(0o755)  # under root the cluster runs as `postgres`, which must reach its folder
     prefect_port, mlflow_port, pg_port = free_ports(3)
     stack = Stack(StackSettings(home=tmp_path / "home", prefect_port=prefect_port, mlflow_port=mlflow_port,
-                                num_gpus=0, postgres=True, postgres_port=pg_port, postgres_dir=root / "cluster"))
+                                num_gpus=0, postgres=True, postgres_port=pg_port, postgres_dir=root / "cluster",
+                                worker_query_seconds=TEST_WORKER_QUERY_S))
     try:
         yield stack
     finally:

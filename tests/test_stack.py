@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cluster_helpers import alive
-from conftest import free_ports
+from conftest import TEST_WORKER_QUERY_S, free_ports
 from evaldag.cli import app
 from evaldag.errors import ConfigError, StackError
 from evaldag.gpus import GPU_LIMIT
@@ -51,7 +51,8 @@ def _ours(home: Path, ports: list[int] = ()) -> list[psutil.Process]:
 def stack(tmp_path_factory):
     home = tmp_path_factory.mktemp("evaldag-home").resolve()
     prefect_port, mlflow_port = free_ports(2)
-    settings = StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, num_gpus=1)
+    settings = StackSettings(home=home, prefect_port=prefect_port, mlflow_port=mlflow_port, num_gpus=1,
+                             worker_query_seconds=TEST_WORKER_QUERY_S)
     saved = os.environ.get("EVALDAG_DATA_DIR")
     os.environ["EVALDAG_DATA_DIR"] = str(home / "data")  # must reach the workers
     st = Stack(settings)
@@ -100,7 +101,9 @@ def test_production_keeps_the_real_waits(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     s = StackSettings.from_env()
     assert (s.mlflow_timeout_s, s.heartbeat_s, s.stop_timeout_s, s.start_timeout_s) == (30, 30, 10, 180)
+    assert s.worker_query_seconds == 2
     env = Stack(s)._desired_specs("x")[GPU_WORKER].env
+    assert env["PREFECT_WORKER_QUERY_SECONDS"] == "2"
     assert (env["MLFLOW_HTTP_REQUEST_TIMEOUT"], env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) == ("30", "2")
     assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
     monkeypatch.setenv("EVALDAG_MLFLOW_TIMEOUT_S", "12")
