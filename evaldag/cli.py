@@ -384,9 +384,7 @@ def compare(
     console.print(render(df))
     predicted = forecasts(df, final_step)
     for f in predicted.iter_rows(named=True):
-        what = (f"forecast at step {f['final_step']}: {f['value']:.1%} [{f['low']:.1%}, {f['high']:.1%}] (80% band)"
-                if f["made"] else f"no forecast at step {f['final_step']}: {f['reason']}")
-        console.print(f"{f['train_run']} on {f['benchmark']}: {what}")
+        console.print(f"{f['train_run']} on {f['benchmark']}: {f['text']}")
     for bench, d in falling_behind(df):
         if d.fired:
             console.print(f"[red]falling behind[/] on {bench}: {d.explanation}")

@@ -67,7 +67,8 @@ def _series(df: pl.DataFrame) -> pl.DataFrame:
 def forecasts(df: pl.DataFrame, final_step: int | None = None) -> pl.DataFrame:
     """Each (job, benchmark)'s forecast at its final step: `final_step` when given, else the one its evaluations
     were tagged with (the trainer's or the request's); jobs with neither are left out. Columns: train_run,
-    benchmark, final_step, made, value, low, high, reason, A, R0, s_mid, B (the fitted curve, for the plot)."""
+    benchmark, final_step, made, value, low, high, reason, text (Forecast.describe), A, R0, s_mid, B (the fitted
+    curve, for the plot)."""
     from evaldag.forecast import forecast
 
     rows = []
@@ -77,10 +78,10 @@ def forecasts(df: pl.DataFrame, final_step: int | None = None) -> pl.DataFrame:
             continue
         fc = forecast(g, int(final))
         rows.append({"train_run": job, "benchmark": bench, "final_step": fc.final_step, "made": fc.made,
-                     "value": fc.value, "low": fc.low, "high": fc.high, "reason": fc.reason,
+                     "value": fc.value, "low": fc.low, "high": fc.high, "reason": fc.reason, "text": fc.describe(),
                      **{k: fc.params.get(k) for k in ("A", "R0", "s_mid", "B")}})
     schema = {"train_run": pl.Utf8, "benchmark": pl.Utf8, "final_step": pl.Int64, "made": pl.Boolean,
-              "value": pl.Float64, "low": pl.Float64, "high": pl.Float64, "reason": pl.Utf8,
+              "value": pl.Float64, "low": pl.Float64, "high": pl.Float64, "reason": pl.Utf8, "text": pl.Utf8,
               **{k: pl.Float64 for k in ("A", "R0", "s_mid", "B")}}
     return pl.DataFrame(rows, schema=schema)
 

@@ -53,12 +53,8 @@ LEVEL = 0.8
 
 def sigmoid(step: np.ndarray | float, A: float, R0: float, s_mid: float, B: float) -> np.ndarray:
     """acc(s) = A - (A - R0) / (1 + (s / s_mid)^B), for steps s >= 0 (acc(0) = R0)."""
-    from scipy.special import expit
-
-    s = np.asarray(step, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        z = B * (np.log(s) - math.log(s_mid))        # -inf at step 0: expit gives the limit 0
-    return A - (A - R0) * expit(-z)
+    with np.errstate(divide="ignore", over="ignore"):    # log 0 = -inf gives the limit R0; a huge power gives A
+        return _value(np.log(np.asarray(step, dtype=np.float64)), np.array([A, R0, math.log(s_mid), B]))
 
 
 def _value(logs: np.ndarray, theta: np.ndarray) -> np.ndarray:
