@@ -54,9 +54,17 @@ run: up
 	$(BIN)/evaldag run math500
 
 # Everything, the vLLM engine's tests included, then the end-to-end tests once more with the Prefect server on
-# PostgreSQL (this is what CI runs, through .ci/run).
+# PostgreSQL (this is what CI runs, through .ci/run). Two pytest processes side by side: the tests marked `stack`
+# or `model`, in order (one stack and one model process at a time), and beside them the tests that need neither
+# (`make test-fast`, pure CPU), which use what the first leaves idle while it waits on servers, heartbeats and
+# retries. The second's report follows the first's; both must pass. (Not niced: a starved fast test would miss
+# its own short timeouts, e.g. grading's.)
 test: setup model
-	$(BIN)/python -m pytest -q --durations=25
+	@$(BIN)/python -m pytest -q -m "not stack and not model" -p no:cacheprovider --durations=5 \
+		> .pytest-fast.log 2>&1 & fast=$$!; \
+	$(BIN)/python -m pytest -q -m "stack or model" --durations=25; rc=$$?; \
+	wait $$fast; fast_rc=$$?; echo "--- beside it, the tests that need neither the stack nor the model:"; \
+	cat .pytest-fast.log; test $$rc -eq 0 && test $$fast_rc -eq 0
 	$(MAKE) test-postgres
 
 # What the database changes, once more with the stack's Prefect server on a private PostgreSQL cluster (the tests
