@@ -97,6 +97,37 @@ def _permutation_p(correct: np.ndarray, shard: np.ndarray, n_shards: int, n_perm
     return (1 + as_extreme) / (1 + n_perm)
 
 
+def _within_problem_p(graded: pl.DataFrame, present: list[int], n_perm: int, seed: int,
+                      block: int = 100) -> float:
+    """p-value of the between-shard spread of correct samples, over reshufflings of each problem's samples among the
+    shards that hold them: the test for plans that split problems' samples over shards (evaldag.plan.
+    plan_split_shards), where whole problems cannot be dealt out. Statistic sum_s (C_s - E_s)^2 / m_s, with C_s the
+    correct samples of shard s, m_s its samples and E_s = sum_p m_ps * ybar_p what its share of each problem predicts.
+    Shuffling keeps every m_ps, and under "no shard effect" a problem's samples are exchangeable between shards, so
+    the p-value is exact up to Monte Carlo error whatever the problems' difficulties."""
+    df = (graded.select("sample_id", "shard_index", y=pl.col("correct").fill_null(False).cast(pl.Float64))
+          .sort("sample_id", "shard_index"))
+    problem = df["sample_id"].rank("dense").to_numpy().astype(np.float64) - 1.0
+    index = {s: i for i, s in enumerate(present)}
+    onehot = np.zeros((df.height, len(present)))
+    onehot[np.arange(df.height), [index[s] for s in df["shard_index"].to_list()]] = 1.0
+    y = df["y"].to_numpy()
+    ybar = df.select(pl.col("y").mean().over("sample_id"))["y"].to_numpy()
+    m, expected = onehot.sum(axis=0), ybar @ onehot
+
+    def stat(ys: np.ndarray) -> np.ndarray:         # ys: (..., samples) -> (...)
+        return (((ys @ onehot - expected) ** 2) / m).sum(axis=-1)
+
+    observed = stat(y)
+    rng = np.random.default_rng(seed)
+    as_extreme = 0
+    for start in range(0, n_perm, block):       # blocks bound the memory: block x samples
+        k = min(block, n_perm - start)
+        order = np.argsort(problem + rng.random((k, df.height)), axis=1)   # a shuffle within each problem
+        as_extreme += int(np.sum(stat(y[order]) >= observed * (1 - 1e-12)))
+    return (1 + as_extreme) / (1 + n_perm)
+
+
 def _untestable(by: pl.DataFrame) -> str | None:
     """Why the per-shard table `by` cannot show a shard effect, or None when it can be tested."""
     total, correct = int(by["n"].sum()), int(by["correct"].sum())
@@ -129,7 +160,8 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
     """Do the shards' accuracies differ more than their problems' difficulties explain?
 
     A permutation test over problems (`_permutation_p`): the shards' spread of correct counts against the spread when
-    whole problems are dealt to the shards at random, keeping each shard's number of problems. It needs no
+    whole problems are dealt to the shards at random, keeping each shard's number of problems. Where the plan split
+    problems' samples over shards, each problem's samples are shuffled among its shards instead (`_within_problem_p`). It needs no
     assumption about how the samples of a problem cluster, so it holds its false-alarm rate (about alpha) with 5
     problems per shard as with 500. With one problem per shard a shard effect cannot be told apart from problem
     difficulty, and the diagnostic says so instead of testing. Fires when p < alpha. The plain and the
@@ -166,8 +198,12 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
     table = np.column_stack([by["correct"].to_numpy(), (by["n"] - by["correct"]).to_numpy()])
     stat, p_iid, dof, _ = chi2_contingency(table, correction=False)
     deff = _design_effect(graded)
-    counts, shard_of = _problem_scores(graded, present)
-    p = _permutation_p(counts, shard_of, len(present), permutations, seed)
+    if graded.select(pl.col("shard_index").n_unique().over("sample_id").max()).item() > 1:
+        details["test"] = "permutation of samples within problems"   # the plan split problems over shards
+        p = _within_problem_p(graded, present, permutations, seed)
+    else:
+        counts, shard_of = _problem_scores(graded, present)
+        p = _permutation_p(counts, shard_of, len(present), permutations, seed)
     details.update(chi2=float(stat), dof=int(dof), design_effect=deff, p_value=p, p_value_iid=float(p_iid),
                    p_value_design_effect=float(chi2.sf(stat / deff, dof)), permutations=permutations)
     accs = ", ".join(f"{s}: {a:.3f} (n={n}, {k} problems)" for s, a, n, k in

@@ -91,6 +91,9 @@ class EvalPlan(BaseModel):
     dataset_source: str
     n_problems: int
     shards: list[list[str]]           # sample ids per shard
+    # Where shards split problems' samples (see plan_split_shards): per shard, per sample id of `shards`, the run
+    # (first sample index, count) it holds. None: every shard holds all n samples of each of its problems.
+    sample_runs: list[list[tuple[int, int]]] | None = None
     pass_k: list[int]
     train_run: str
     reference: ResolvedModel | None   # the reference model, when KL is asked for
@@ -152,6 +155,22 @@ class EvalPlan(BaseModel):
             self._inputs = read_table(self.path("inputs.parquet"), INPUT_SCHEMA)
         return self._inputs
 
+    def shard_runs(self, shard: int) -> list[tuple[int, int]]:
+        """(first sample index, number of samples) of each problem of shard_inputs(shard), in its order."""
+        if self.sample_runs is None:
+            return [(0, self.sampling.n)] * len(self.shards[shard])
+        return [(int(first), int(count)) for first, count in self.sample_runs[shard]]
+
+    @property
+    def n_requests(self) -> int:
+        """Requests over all shards, what shard progress counts as "problems": the problems, or where the plan
+        split them, every problem once per shard that holds some of its samples."""
+        return sum(len(shard) for shard in self.shards)
+
+    def sample_ids(self) -> list[str]:
+        """Every problem of the evaluation once, in the order of the shards (a split problem is in several)."""
+        return list(dict.fromkeys(sid for shard in self.shards for sid in shard))
+
     def shard_inputs(self, shard: int) -> pl.DataFrame:
         """The input rows of one shard, in the plan's order."""
         if not 0 <= shard < self.num_shards:
@@ -172,34 +191,70 @@ MIN_SEQUENCES_PER_SHARD = 32
 
 
 def shard_count(n_problems: int, slots: int, requested: int | None = None, configured: int | None = None,
-                samples_per_problem: int = 1) -> int:
+                samples_per_problem: int = 1, split_samples: bool = False) -> int:
     """How many shards an evaluation of `n_problems` (each sampled `samples_per_problem` times) gets.
 
     An explicit count (the request's, else the benchmark config's) is honoured, capped by the problems. Otherwise:
     no more shards than `slots` (gpu slots that can run shards at once: more shards would only queue behind each
     other, each paying its own start-up) or problems, and none with fewer than MIN_SEQUENCES_PER_SHARD sequences
     (problems x samples: a 4-problem greedy slice is one shard, while AIME24's 30 problems x 32 samples spread over 8
-    slots instead of queueing on one). Resume stays sample-level whatever the count: batches are the unit.
+    slots instead of queueing on one). With `split_samples` (plan_split_shards) a shard need not hold a whole
+    problem, so the problems do not cap the count. Resume stays sample-level whatever the count.
     """
     if n_problems < 1:
         raise ConfigError("no problems to evaluate")
     if slots < 1:
         raise ConfigError(f"slots must be >= 1, got {slots}")
+    units = n_problems * max(1, samples_per_problem) if split_samples else n_problems
     if requested or configured:
-        return min(requested or configured, n_problems)
+        return min(requested or configured, units)
     sequences = n_problems * max(1, samples_per_problem)
-    return max(1, min(slots, n_problems, sequences // MIN_SEQUENCES_PER_SHARD))
+    return max(1, min(slots, units, sequences // MIN_SEQUENCES_PER_SHARD))
+
+
+def _ranked_ids(inputs: pl.DataFrame) -> list[str]:
+    """Sample ids longest prompt first (ties in input order): a fixed order to deal from."""
+    return (inputs.with_row_index("_pos")
+            .with_columns(_len=pl.col("prompt").str.len_chars())
+            .sort(["_len", "_pos"], descending=[True, False]))["sample_id"].to_list()
 
 
 def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
     """Deterministic shards balanced by prompt length: longest first, dealt round-robin."""
-    ranked = (inputs.with_row_index("_pos")
-              .with_columns(_len=pl.col("prompt").str.len_chars())
-              .sort(["_len", "_pos"], descending=[True, False]))
     shards: list[list[str]] = [[] for _ in range(num_shards)]
-    for i, sid in enumerate(ranked["sample_id"]):
+    for i, sid in enumerate(_ranked_ids(inputs)):
         shards[i % num_shards].append(sid)
     return [s for s in shards if s]
+
+
+def splits_samples(engine: str, n: int) -> bool:
+    """Whether a plan splits problems' samples over its shards (when it has several): only with n > 1 samples and an
+    engine whose samples are seeded one by one, so that samples a..b generated alone equal samples a..b of the
+    whole request (vLLM seeds sample j of a request `seed + j`; the transformers engine samples a prompt's n rows
+    from one generator, and a served model is asked one batch at a time)."""
+    return engine == "vllm" and n > 1
+
+
+def plan_split_shards(inputs: pl.DataFrame, num_shards: int,
+                      n: int) -> tuple[list[list[str]], list[list[tuple[int, int]]]]:
+    """Shards that share every problem: its n samples cut into min(n, num_shards) near-equal runs, run j of the i-th
+    problem (longest prompt first) to shard (i + j) mod num_shards, so each shard holds about n / num_shards samples
+    of every problem. A hard problem's long samples then land on every shard instead of one, which is what leaves
+    whole-problem shards unbalanced at scale (bench/bench_schedule.py: AIME24 x 32 on 8 slots, 1.32x the lower
+    bound against 1.64x). Returns the sample ids per shard and, beside each, its run (first sample index, count)."""
+    runs_per_problem = min(n, num_shards)
+    size, extra = divmod(n, runs_per_problem)
+    shards: list[list[str]] = [[] for _ in range(num_shards)]
+    runs: list[list[tuple[int, int]]] = [[] for _ in range(num_shards)]
+    for i, sid in enumerate(_ranked_ids(inputs)):
+        first = 0
+        for j in range(runs_per_problem):
+            count = size + (j < extra)
+            shards[(i + j) % num_shards].append(sid)
+            runs[(i + j) % num_shards].append((first, count))
+            first += count
+    kept = [s for s in range(num_shards) if shards[s]]
+    return [shards[s] for s in kept], [runs[s] for s in kept]
 
 
 def resolve(request: EvalRequest, results_root: str | PathLike | None = None, num_gpus: int = 1) -> EvalPlan:
@@ -216,15 +271,20 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
     per_shard = shard_gpus(model)       # 0 for a served model: its shards hold no gpu slot
     slots = max(1, num_gpus // per_shard if per_shard else num_gpus)
-    num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards, sampling.n)
-    shards = plan_shards(data.inputs, num_shards)
+    split = splits_samples(model.engine, sampling.n)
+    num_shards = shard_count(data.inputs.height, slots, request.num_shards, bench.num_shards, sampling.n, split)
+    split = split and num_shards > 1
+    shards, runs = (plan_split_shards(data.inputs, num_shards, sampling.n) if split
+                    else (plan_shards(data.inputs, num_shards), None))
     pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)
     reference = resolve_model(request.reference) if request.reference else None
     if reference and "openai" in (model.engine, reference.engine):
         raise ConfigError("KL to a reference model needs log-probabilities of given completions, which engine "
                           "'openai' (a server's API) cannot give; evaluate with a reference on local weights with "
                           "engine=hf")
+    split_key = {} if runs is None else {"sample_runs": runs}   # absent when not split: older keys stay valid
     generation_key = compute_eval_key({
+        **split_key,
         "pipeline": PIPELINE_VERSION,
         "instruction": bench.instruction,
         "dataset_hash": data.dataset_hash,
@@ -252,7 +312,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     plan = EvalPlan(
         eval_key=eval_key, request=request, benchmark=bench, model=model, sampling=sampling,
         num_shards=len(shards), dataset_hash=data.dataset_hash, dataset_source=data.source,
-        n_problems=data.inputs.height, shards=shards, pass_k=pass_k, train_run=train_run,
+        n_problems=data.inputs.height, shards=shards, sample_runs=runs, pass_k=pass_k, train_run=train_run,
         reference=reference, generation_key=generation_key, grade_key=grade_key,
         result_dir=str(root / bench.name / eval_key[:24]), stage_dir=str(root / bench.name / f"gen-{generation_key[:24]}"),
     )

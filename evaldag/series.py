@@ -25,7 +25,7 @@ def comparison_settings(plan: EvalPlan) -> dict:
     bench = plan.benchmark
     return {
         "benchmark": bench.name, "dataset_hash": plan.dataset_hash,
-        "sample_ids": hashlib.sha256("\n".join(sorted(s for shard in plan.shards for s in shard)).encode())
+        "sample_ids": hashlib.sha256("\n".join(sorted(plan.sample_ids())).encode())
         .hexdigest(),
         "instruction": bench.instruction, "gold_format": bench.gold_format, "strip_thinking": bench.strip_thinking,
         "grader": plan.grader_version, "rewards": [r.model_dump() for r in bench.rewards],

@@ -23,6 +23,7 @@ from upath import UPath
 from evaldag import faults
 from evaldag import metrics as metricsmod
 from evaldag import store
+from evaldag.errors import ConfigError
 from evaldag.plan import EvalPlan
 from evaldag.progress import ShardProgress
 from evaldag.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
@@ -132,7 +133,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         if run.todo:
             check_context(plan, got.engine, prompts)
         run.generate()
-    write_table(_merge_chunks(chunks, inputs, plan.sampling.n, shard), out, GENERATION_SCHEMA)
+    write_table(_merge_chunks(chunks, inputs, plan.shard_runs(shard), shard), out, GENERATION_SCHEMA)
     store.write_json(plan.stats_path("generate", shard), {
         "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": run.seconds,
         "generation_tokens": float(run.tokens), **run.resumed,
@@ -170,6 +171,7 @@ class _ShardRun:
         self.plan, self.shard, self.engine, self.chunks, self._progress = plan, shard, engine, chunks, progress
         self.records = inputs.to_dicts()
         self.prompts = inputs["prompt"].to_list()
+        self.runs = plan.shard_runs(shard)     # (first sample index, samples) of each problem here
         self.done = 0                   # problems whose rows are generated (resumed ones included)
         self.tokens = 0                 # tokens of this run's finished requests
         self.running_tokens = 0         # tokens of its requests still running, as the engine last reported them
@@ -181,10 +183,9 @@ class _ShardRun:
         self.running_counts: tuple[int, ...] | None = None    # each running sequence's tokens, where reported
         self.time_left: TimeLeft | None = None                # set once `todo` is known
 
-    def start_forecast(self, requests: int) -> None:
-        """Forecast the end of `requests` requests of `sampling.n` completions each (evaldag.time_left)."""
-        sampling = self.plan.sampling
-        self.time_left = TimeLeft(requests * sampling.n, sampling.max_new_tokens)
+    def start_forecast(self, problems: list[int]) -> None:
+        """Forecast the end of these problems' completions (evaldag.time_left)."""
+        self.time_left = TimeLeft(sum(self.runs[i][1] for i in problems), self.plan.sampling.max_new_tokens)
 
     def report(self, force: bool = False) -> None:
         """Publish the progress, at most every PROGRESS_S seconds unless forced."""
@@ -202,7 +203,8 @@ class _ShardRun:
 
     def rows(self, i: int, completions: list) -> list[dict]:
         """One row per completion of problem `i`: its input row plus what the engine returned."""
-        return [{**self.records[i], "sample_index": k, "shard_index": self.shard, "completion": c.text,
+        first = self.runs[i][0]
+        return [{**self.records[i], "sample_index": first + k, "shard_index": self.shard, "completion": c.text,
                  "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
                  "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
                  "latency_s": c.latency_s, "batch_size": c.batch_size} for k, c in enumerate(completions)]
@@ -218,13 +220,18 @@ class _PerBatch(_ShardRun):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
+        if self.plan.sample_runs is not None:
+            raise ConfigError(f"{self.plan.benchmark.name}: the plan splits problems' samples over shards, which "
+                              "only an engine that seeds each sample alone can generate (vllm's per-request "
+                              f"generation); {type(self.engine).__name__} samples a prompt's n completions "
+                              "together. Evaluate it again with engine=vllm, or with num_shards=1")
         self.batches = self.engine.plan_batches(self.prompts, self.plan.sampling)
         self.todo = [(b, [self.prompts[i] for i in idx]) for b, idx in enumerate(self.batches)
                      if not self._chunk(b).is_file()]
         todo_ids = {b for b, _ in self.todo}
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
         self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
-        self.start_forecast(len(self.prompts) - self.done)
+        self.start_forecast([i for b, _ in self.todo for i in self.batches[b]])
 
     def _chunk(self, b: int) -> UPath:
         return self.chunks / f"batch-{b:05d}-of-{len(self.batches):05d}.parquet"
@@ -263,7 +270,7 @@ class _PerRequest(_ShardRun):
         self.todo = [i for i, r in enumerate(self.records) if r["sample_id"] not in written]
         self.done = len(self.prompts) - len(self.todo)
         self.resumed = {"resumed_requests": self.done}
-        self.start_forecast(len(self.todo))
+        self.start_forecast(self.todo)
         self._next_chunk = 1 + max((int(p.stem.split("-")[1]) for p in self.chunks.glob("requests-*.parquet")),
                                    default=0)
         self._pending: list[dict] = []      # rows of finished requests not yet written
@@ -277,7 +284,10 @@ class _PerRequest(_ShardRun):
         t1 = time.perf_counter()
         self.report(force=True)
         seed = self.plan.sampling.seed
-        requests = [Request(i, self.prompts[i], request_seed(seed, self.records[i]["sample_id"])) for i in self.todo]
+        # a run of samples first..first+count-1 is one request of n = count seeded `seed + first`: vLLM seeds its
+        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.plan.splits_samples)
+        requests = [Request(i, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + self.runs[i][0],
+                            n=self.runs[i][1]) for i in self.todo]
         # Submitted in a seeded random order, not the plan's (longest prompt first: harder problems, longer answers,
         # docs/performance.md): the forecast of the end
         # (evaldag.time_left) reads the requests finished so far as a fair sample of all, which holds only when the
@@ -372,17 +382,19 @@ def workload(plan: EvalPlan, shard: int):
     from evaldag import engines
 
     prompts = plan.shard_inputs(shard)["prompt"].to_list()
-    return engines.workload(plan.resolved_model, prompts, plan.sampling)
+    return engines.workload(plan.resolved_model, prompts, plan.sampling,
+                            sum(count for _, count in plan.shard_runs(shard)))
 
 
-def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, n: int, shard: int) -> pl.DataFrame:
-    """The chunks of a shard as one table in the plan's order, checked to hold `n` rows per problem."""
+def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, runs: list[tuple[int, int]], shard: int) -> pl.DataFrame:
+    """The chunks of a shard as one table in the plan's order, checked to hold each problem's run of samples."""
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
     df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in _chunk_files(chunks)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
-    if df.height != inputs.height * n:
+    expected = sum(count for _, count in runs)
+    if df.height != expected:
         raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
-                           f"{inputs.height * n}; delete that folder to regenerate the shard")
+                           f"{expected}; delete that folder to regenerate the shard")
     return df
 
 
@@ -403,7 +415,6 @@ def _score(plan: EvalPlan, shard: int, out: UPath) -> UPath:
     from dataclasses import replace
 
     from evaldag.engines import EXACT_KL_ENGINES, load_engine
-    from evaldag.errors import ConfigError
     from evaldag.models import check_unchanged
 
     check_unchanged(plan.resolved_model)
@@ -575,7 +586,7 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike]) -> dict:
 
     t0 = time.perf_counter()
     graded = pl.concat([read_table(p, GRADED_SCHEMA) for p in graded_paths])
-    expected = [sid for shard in plan.shards for sid in shard]
+    expected = plan.sample_ids()
     metricsmod.check_complete(graded, expected, plan.sampling.n)
     graded = graded.sort(["sample_id", "sample_index"])
     result = {

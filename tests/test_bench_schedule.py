@@ -70,3 +70,16 @@ def test_units_cut_samples_into_enough_units_per_slot() -> None:
     assert bs.unit_samples(32, 30, 8) == 8       # AIME x 32 on 8 slots: 120 units
     assert bs.unit_samples(32, 500, 8) == 32     # MATH-500 x 32: whole problems already give 500 units
     assert bs.unit_samples(1, 500, 4) == 1
+
+
+def test_split_shards_give_every_slot_its_share_of_every_problem() -> None:
+    w = bs.Workload("small", 5, 8, 2000, 700, 0.9, 0.5)
+    rng = np.random.default_rng(1)
+    lengths, previous = bs.draw_lengths(w, rng)
+    [split] = [v["static"] for k, v in bs.schedules(w, CURVE, 3, lengths, previous, rng).items() if "split" in k]
+    assert sorted(x for shard in split for x in shard) == sorted(lengths.ravel().tolist())   # every sample once
+    # 8 samples over 3 slots: runs of 3, 3, 2 per problem, rotated, so every slot holds 2 or 3 of each of the 5
+    assert all(10 <= len(shard) <= 15 for shard in split) and sum(map(len, split)) == 40
+    for p in range(w.problems):
+        mine = lengths[p].tolist()
+        assert all(2 <= sum(x in mine for x in shard) for shard in split)

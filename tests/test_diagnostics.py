@@ -205,3 +205,33 @@ def test_divergence_quiet_when_standard_errors_are_understated():
     # the rescaled slope tests are calibrated, not just quiet: p about uniform, not stuck near 1
     p = np.array([d.details[f"{m}_p_value"] for d in runs for m in ("accuracy", "reward_mean")])
     assert 0.4 <= p.mean() <= 0.6 and np.mean(p < 0.05) <= 0.1, (p.mean(), np.mean(p < 0.05))
+
+
+def _split(shards: int, problems: int, n: int, seed: int, broken: int | None = None) -> pl.DataFrame:
+    """A healthy evaluation whose plan split every problem's n samples over the shards (evaldag.plan.
+    plan_split_shards: sample k of problem i on shard (i + k * shards // n) mod shards); `broken`: that shard's
+    correct samples are kept with probability 0.5 only."""
+    rng = np.random.default_rng(seed)
+    p = rng.beta(0.6, 0.6, problems)
+    correct = rng.random((problems, n)) < p[:, None]
+    shard = (np.arange(problems)[:, None] + np.arange(n)[None, :] * shards // n) % shards
+    if broken is not None:
+        correct &= (shard != broken) | (rng.random((problems, n)) < 0.5)
+    return pl.DataFrame({"sample_id": np.repeat([f"p{i:03d}" for i in range(problems)], n),
+                         "sample_index": np.tile(np.arange(n), problems), "shard_index": shard.ravel(),
+                         "correct": correct.ravel()})
+
+
+def test_split_plans_are_tested_within_problems_at_alpha_and_with_power():
+    """Where the plan split problems' samples over the shards, problems cannot be dealt out whole; each problem's
+    samples are shuffled among its shards instead. Healthy: fires at about alpha. One shard of 4 losing half its
+    correct samples (40 problems x 8 samples): found."""
+    alpha, runs = 0.05, 200
+    healthy = [shard_disagreement(_split(4, 20, 8, seed), alpha=alpha, permutations=400) for seed in range(runs)]
+    assert {d.details["test"] for d in healthy} == {"permutation of samples within problems"}
+    rate = np.mean([d.fired for d in healthy])
+    # binomial(200, 0.05): P(rate < 0.015) < 0.01, P(rate > 0.1) < 0.01
+    assert 0.015 <= rate <= 0.1, f"false-alarm rate {rate:.3f} at alpha {alpha}"
+    power = np.mean([shard_disagreement(_split(4, 40, 8, seed, broken=1), alpha=alpha, permutations=400).fired
+                     for seed in range(40)])
+    assert power >= 0.8, power

@@ -120,7 +120,12 @@ def test_mlflow_hung_during_tracking_gives_up_promptly_then_retries(live_stack):
 
 def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     """kill -9 of a shard's flow-run process after its first batch: the shard is relaunched, regenerates only the
-    missing batches, and the evaluation ends with exactly one row per (problem, sample)."""
+    missing batches, and the evaluation ends with exactly one row per (problem, sample).
+
+    Two GPU slots, as on a node with a second GPU free: the relaunch starts at once. On a one-GPU node it waits for
+    the killed run's slot lease to expire (evaldag.gpus.GPU_LEASE_S, 60 s, Prefect's minimum: nothing else can
+    release it, since Prefect's API does not list a limit's holders), 0-60 s by chance, which made this test's time
+    vary from 65 to 136 s without proving anything more."""
     from evaldag.models import resolve_model
     from evaldag.tracking.samples import load_samples
 
@@ -128,19 +133,20 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     # MATH-500's run to 449, and the transformers engine pads a batch to its longest prompt, n times over
     folder = resolve_model("smollm2-135m-instruct").path
     generations = NewGenerations(live_stack, "gsm8k")
-    fr = run_deployment("eval/gsm8k", timeout=0, parameters={
-        "checkpoint": folder, "limit": 8, "num_shards": 1, "step": 88, "train_run": "kill-9",
-        "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 3}})
-    chunk = generations.wait(0)
-    [shard] = children(fr.id)
-    victims = flow_run_processes(shard.id)
-    generating = engine_processes(victims)
-    assert generating, f"the shard's generating process was not found among {victims}"
-    assert not flow_run(shard.id).state.is_final()                         # killed mid-generation, not after
-    kill_all(victims)                                              # SIGKILL: no cleanup, like a lost node
-    assert not any(alive(p) for p in generating), "the generating process outlived the kill"
-    assert not any(alive(p) for p in flow_run_processes(shard.id))  # nothing of the shard is left to write rows
-    state = wait(lambda: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=900)
+    with _two_gpu_slots(live_stack):
+        fr = run_deployment("eval/gsm8k", timeout=0, parameters={
+            "checkpoint": folder, "limit": 8, "num_shards": 1, "step": 88, "train_run": "kill-9",
+            "sampling": {"n": 8, "temperature": 1.0, "max_new_tokens": 32, "seed": 3}})
+        chunk = generations.wait(0)
+        [shard] = children(fr.id)
+        victims = flow_run_processes(shard.id)
+        generating = engine_processes(victims)
+        assert generating, f"the shard's generating process was not found among {victims}"
+        assert not flow_run(shard.id).state.is_final()                         # killed mid-generation, not after
+        kill_all(victims)                                              # SIGKILL: no cleanup, like a lost node
+        assert not any(alive(p) for p in generating), "the generating process outlived the kill"
+        assert not any(alive(p) for p in flow_run_processes(shard.id))  # nothing of the shard is left to write rows
+        state = wait(lambda: (s := flow_run(fr.id).state) and s.is_final() and s, timeout=900)
     assert state.is_completed(), state.message
     shards = children(fr.id)
     states = sorted(s.state.type.value for s in shards)

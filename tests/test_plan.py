@@ -9,7 +9,8 @@ from evaldag.engines import DEFAULT_ENGINE_ENV, default_engine
 from evaldag.engines.dtype import DEFAULT_DTYPE_ENV
 from evaldag.errors import ConfigError
 from evaldag.models import resolve_model
-from evaldag.plan import MIN_SEQUENCES_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, resolve, shard_count
+from evaldag.plan import (MIN_SEQUENCES_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, plan_split_shards,
+                          resolve, shard_count)
 
 
 def _inputs(n: int) -> pl.DataFrame:
@@ -85,6 +86,46 @@ def test_resolve_fits_a_slice_to_the_slots(tmp_path):
     assert two.num_shards == 2 and sorted(len(s) for s in two.shards) == [32, 32]
     explicit = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=2), tmp_path, num_gpus=1)
     assert explicit.num_shards == 2
+
+
+def _covered(shards, runs) -> list[tuple[str, int]]:
+    return sorted((sid, first + k) for shard, rs in zip(shards, runs) for sid, (first, count) in zip(shard, rs)
+                  for k in range(count))
+
+
+def test_split_shards_hold_every_sample_once_and_a_share_of_every_problem():
+    """AIME24-like: 30 problems x 32 samples on 8 shards: 4 samples of every problem on every shard."""
+    df = _inputs(30)
+    shards, runs = plan_split_shards(df, 8, 32)
+    assert _covered(shards, runs) == sorted((sid, k) for sid in df["sample_id"] for k in range(32))
+    assert all(sorted(shard) == sorted(df["sample_id"]) for shard in shards)
+    assert {count for rs in runs for _, count in rs} == {4}
+    # 10 samples over 4 shards: runs of 3, 3, 2, 2, rotated, so no shard gets every larger run
+    shards, runs = plan_split_shards(df, 4, 10)
+    assert _covered(shards, runs) == sorted((sid, k) for sid in df["sample_id"] for k in range(10))
+    per_shard = [sum(c for _, c in rs) for rs in runs]
+    assert sum(per_shard) == 300 and max(per_shard) - min(per_shard) <= 2, per_shard
+    assert plan_split_shards(df, 4, 10) == (shards, runs)                      # deterministic
+
+
+def test_resolve_splits_samples_only_where_the_engine_seeds_each_sample(tmp_path):
+    """vLLM with n > 1 on several slots: every problem's samples over the shards, so AIME24 x 32 fills 8 slots
+    evenly; the transformers engine (one generator per prompt) and greedy n = 1 keep whole problems."""
+    sampled = {"n": 32, "temperature": 0.6}
+    split = resolve(EvalRequest(benchmark="aime24", engine="vllm", sampling=sampled), tmp_path, num_gpus=8)
+    assert split.num_shards == 8 and split.sample_runs is not None
+    assert all(len(split.shards[s]) == 30 and {c for _, c in split.shard_runs(s)} == {4} for s in range(8))
+    assert _covered(split.shards, split.sample_runs) == sorted((sid, k) for sid in split.sample_ids()
+                                                               for k in range(32))
+    assert len(split.sample_ids()) == 30
+    whole = resolve(EvalRequest(benchmark="aime24", engine="hf", sampling=sampled), tmp_path, num_gpus=8)
+    assert whole.sample_runs is None and sorted(len(s) for s in whole.shards) == [3, 3, 4, 4, 4, 4, 4, 4]
+    assert whole.shard_runs(0) == [(0, 32)] * len(whole.shards[0])
+    greedy = resolve(EvalRequest(benchmark="gsm8k", limit=64, engine="vllm"), tmp_path, num_gpus=2)
+    assert greedy.sample_runs is None and greedy.num_shards == 2
+    # the split is part of what decides the generations
+    assert split.generation_key != resolve(EvalRequest(benchmark="aime24", engine="vllm", sampling=sampled,
+                                                       num_shards=1), tmp_path, num_gpus=8).generation_key
 
 
 def test_vllm_is_the_default_engine(monkeypatch):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import complete_checkpoint
-from evaldag import engines, paths
+from evaldag import engines, paths, stages
 from evaldag.engines.base import Completion, EngineBase
 from evaldag.plan import EvalRequest, resolve
 from evaldag.stages import generate_shard, grade_shard
@@ -281,7 +281,8 @@ def test_progress_is_reported_per_batch_and_on_resume_and_reuse(setup):
 class StreamingEngine:
     """A stand-in for an engine that batches continuously (vLLM): every request in at once, shortest prompt
     finishing first, one request every `delay` seconds, with a Running report of the tokens of the unfinished
-    ones before each; completions derive from the request's own seed. Its plan_batches/generate_batches (one batch
+    ones before each; a request's `n` completions derive from its own seed as vLLM seeds them, the k-th from
+    seed + k. Its plan_batches/generate_batches (one batch
     of 64, the whole shard, grouped from the same requests) are what a per-batch stage would use."""
 
     delay = 0.05
@@ -307,10 +308,10 @@ class StreamingEngine:
             type(self).generated.append(r.key)
             if type(self).on_finish is not None:
                 type(self).on_finish(r)
-            yield Finished(r.key, [Completion(text=f"{r.seed}-{k}", token_ids=[1, 2, 3], prompt_tokens=5,
-                                              completion_tokens=10, finish_reason="stop",
+            yield Finished(r.key, [Completion(text=f"sampled with seed {r.seed + k}", token_ids=[1, 2, 3],
+                                              prompt_tokens=5, completion_tokens=10, finish_reason="stop",
                                               latency_s=0.01 * (j + 1), batch_size=len(requests))
-                                   for k in range(sampling.n)])
+                                   for k in range(r.n or sampling.n)])
 
     def generate_batches(self, batches, sampling):
         from evaldag.engines.base import Finished, Request, request_seed
@@ -504,3 +505,36 @@ def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, m
     StreamingEngine.on_finish = None
     generate_shard(_plan_of(ckpt, results / "again"), 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     assert heard == [(0, 8, 0), (8, 8, 80)]                 # throttled: only the first and the last
+
+
+def test_split_samples_are_the_whole_requests_samples_each_once(streaming, monkeypatch):
+    """A plan that splits every problem's samples over the shards (vLLM, n > 1): over the shards, every (problem,
+    sample) is generated once, and equals that sample of the unsplit request (a run of samples a..b is one request
+    of n = b - a + 1 seeded seed + a, as vLLM seeds sample k of a request seed + k)."""
+    import polars as pl
+
+    ckpt, _, results = streaming
+    whole = pl.read_parquet(generate_shard(_plan_of(ckpt, results / "a", n=4, temperature=0.7), 0))
+    split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=3, engine="vllm",
+                                sampling={"n": 4, "temperature": 0.7}), results / "b")
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    assert split.num_shards == 3 and split.sample_runs is not None
+    parts = [pl.read_parquet(generate_shard(split, s)) for s in range(3)]
+    keys = ["sample_id", "sample_index", "completion", "shard_index"]
+    assert sorted(p.height for p in parts) == [10, 11, 11]     # runs of 2, 1, 1 samples, rotated over the shards
+    assert all(p["sample_id"].n_unique() == 8 for p in parts)           # every shard holds every problem
+    together = pl.concat(parts).select(keys[:3]).sort(keys[:3])
+    assert together.equals(whole.select(keys[:3]).sort(keys[:3]))
+
+
+def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setup, monkeypatch):
+    """The transformers engine draws a prompt's n samples from one generator: samples 2..3 alone would not be
+    samples 2..3 of the whole request, so it refuses a split plan with an error that names the engine."""
+    from evaldag.errors import ConfigError
+
+    ckpt, _, results = setup
+    split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2, engine="vllm",
+                                sampling={"n": 4, "temperature": 0.7}), results)
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    with pytest.raises(ConfigError, match="splits problems' samples over shards.*vllm"):
+        generate_shard(split, 0)

@@ -112,17 +112,17 @@ def _tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def workload(model, prompts: list[str], sampling) -> Workload | None:
+def workload(model, prompts: list[str], sampling, sequences: int | None = None) -> Workload | None:
     """What generating `prompts` with `sampling` (a SamplingConfig) asks of `model`'s engine (a ResolvedModel):
-    the longest chat-formatted prompt in tokens plus max_new_tokens, prompts x n sequences, greedy or not; None for
-    an engine that does not size itself, or no prompts."""
+    the longest chat-formatted prompt in tokens plus max_new_tokens, `sequences` (default prompts x n), greedy or
+    not; None for an engine that does not size itself, or no prompts."""
     if model.engine not in _SIZED or not prompts:
         return None
     tok = _tokenizer(model.path)
     # the chat template holds the special tokens already (as the engines tokenize)
     ids = tok([chat_text(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]
     return Workload(context_tokens=max(len(i) for i in ids) + sampling.max_new_tokens,
-                    sequences=len(prompts) * sampling.n, greedy=sampling.temperature == 0)
+                    sequences=sequences or len(prompts) * sampling.n, greedy=sampling.temperature == 0)
 
 
 # ---------------------------------------------------------------------- engines kept loaded (see the module doc)

@@ -25,17 +25,18 @@ class Completion:
 
 @dataclass(frozen=True)
 class Request:
-    """One prompt to generate `sampling.n` completions for, under a seed of its own (`request_seed`), so that its
-    completions depend neither on its batch nor on what else runs beside it or what was resumed."""
+    """One prompt to generate `n` (default `sampling.n`) completions for, under a seed of its own (`request_seed`),
+    so that its completions depend neither on its batch nor on what else runs beside it or what was resumed."""
 
     key: Hashable               # the caller's name for it, handed back in Finished
     prompt: str
     seed: int
+    n: int | None = None        # completions to generate; None: sampling.n
 
 
 @dataclass(frozen=True)
 class Finished:
-    """A request whose `sampling.n` completions are all done (in sample order)."""
+    """A request whose completions are all done (in sample order)."""
 
     key: Hashable
     completions: list[Completion]

@@ -121,13 +121,13 @@ class VLLMEngine(EngineBase):
                          prompt_tokens=[len(ids) for ids in self._prompt_ids(prompts)] if prompts else [])
 
     # -- generation -------------------------------------------------------------------------------------------
-    def _sampling_params(self, sampling: SamplingConfig, seed: int):
+    def _sampling_params(self, sampling: SamplingConfig, seed: int, n: int | None = None):
         from vllm import SamplingParams
 
         # Exactly the configured distribution: every other knob at its neutral value, spelled out so that neither
         # vLLM's defaults nor the checkpoint's generation_config.json (vLLM merges it only into requests sent
         # without params, but that is its choice to change) can add a top-k cut, a penalty or a minimum length.
-        common = dict(n=sampling.n, max_tokens=sampling.max_new_tokens, stop_token_ids=sorted(self.eos_ids),
+        common = dict(n=n or sampling.n, max_tokens=sampling.max_new_tokens, stop_token_ids=sorted(self.eos_ids),
                       skip_special_tokens=True, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                       frequency_penalty=0.0, min_tokens=0)
         if sampling.temperature > 0:
@@ -177,7 +177,7 @@ class VLLMEngine(EngineBase):
         waiting: dict[str, int] = {}            # vLLM request id -> index into requests
         try:
             for i, (request, prompt_ids) in enumerate(zip(requests, ids)):
-                params = self._sampling_params(sampling, request.seed)
+                params = self._sampling_params(sampling, request.seed, request.n)
                 params.output_kind = RequestOutputKind.FINAL_ONLY
                 self._requests += 1
                 rid = f"evaldag-{self._requests}"

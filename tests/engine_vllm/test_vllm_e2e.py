@@ -44,12 +44,15 @@ def _assert_shards_left_nothing(stack, parent_id) -> None:
 
 
 def test_eval_flow_on_the_vllm_engine(live_stack):
+    """Sampled (n = 4) on two shards: vLLM seeds each sample alone, so the plan splits every problem's samples over
+    both shards (evaldag.plan.plan_split_shards); each shard holds 2 samples of each of the 4 problems, and the
+    evaluation ends with every (problem, sample) once."""
     fr = run_deployment("eval/gsm8k", timeout=900, poll_interval=1, parameters={
         "limit": 4, "num_shards": 2, "step": 5, "train_run": "vllm-e2e", "engine": "vllm",
-        "sampling": {"max_new_tokens": 24}})
+        "sampling": {"max_new_tokens": 24, "n": 4, "temperature": 1.0, "seed": 11}})
     assert fr.state.is_completed(), fr.state.message
     summary = fr.state.result()
-    assert summary["metrics"]["n_samples"] == 4
+    assert summary["metrics"]["n_samples"] == 16
     assert summary["metrics"]["generation_tokens_per_s"] > 0
 
     client = MlflowClient()
@@ -57,7 +60,10 @@ def test_eval_flow_on_the_vllm_engine(live_stack):
     [run] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'vllm-e2e'")
     assert run.data.params["engine"] == "vllm"
     samples = load_samples(run.info.run_id)
-    assert samples.height == 4 and samples["sample_id"].n_unique() == 4
+    assert samples.height == 16 and samples.select("sample_id", "sample_index").is_unique().all()
+    assert samples["sample_id"].n_unique() == 4 and set(samples["sample_index"]) == {0, 1, 2, 3}
+    per_shard = samples.group_by("sample_id", "shard_index").len()
+    assert per_shard.height == 8 and set(per_shard["len"]) == {2}, per_shard    # 2 samples per problem per shard
     assert samples["completion"].str.len_chars().min() > 0
     assert set(samples["finish_reason"]) <= {"stop", "length"}
     _assert_shards_left_nothing(live_stack, fr.id)

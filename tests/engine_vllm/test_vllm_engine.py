@@ -232,6 +232,27 @@ def test_requests_stream_one_by_one_with_their_own_latency(engine):
     assert ok.latency_s < 0.75 * essay.latency_s and essay.latency_s <= essay_t, (ok.latency_s, essay.latency_s)
 
 
+def test_a_run_of_samples_alone_equals_those_samples_of_the_whole_request(engine):
+    """What plans that split a problem's samples over shards rest on (evaldag.plan.splits_samples): samples
+    a..a+c-1 of a request of n samples seeded s are exactly a request of n = c seeded s + a, token for token,
+    whatever else runs beside it."""
+    from evaldag.engines.base import Finished, Request
+
+    sampling = SamplingConfig(n=5, temperature=1.0, top_p=0.95, max_new_tokens=16, seed=3)
+    seed = 123456789
+
+    def run(requests):
+        return {e.key: [c.token_ids for c in e.completions]
+                for e in engine.generate_requests(requests, sampling) if isinstance(e, Finished)}
+
+    whole = run([Request("whole", PROMPTS[3], seed)])["whole"]
+    assert len(whole) == 5 and len({tuple(t) for t in whole}) > 1       # five samples, not one repeated
+    # the runs of a 3-shard split (2, 2, 1 samples), submitted together with an unrelated request
+    parts = run([Request("a", PROMPTS[3], seed, n=2), Request("b", PROMPTS[3], seed + 2, n=2),
+                 Request("c", PROMPTS[3], seed + 4, n=1), Request("other", PROMPTS[0], 99)])
+    assert parts["a"] + parts["b"] + parts["c"] == whole
+
+
 def test_sampling_params_are_exactly_the_configured_distribution():
     """Temperature and top_p as configured; no top-k, min-p, penalty or minimum length from anywhere else (checked
     without starting vLLM: only the request parameters)."""
