@@ -59,8 +59,10 @@ run: up
 # (`make test-fast`, pure CPU), which use what the first leaves idle while it waits on servers, heartbeats and
 # retries. The second's report follows the first's; both must pass. (Not niced: a starved fast test would miss
 # its own short timeouts, e.g. grading's.)
+FAST := not stack and not model
+
 test: setup model
-	@$(BIN)/python -m pytest -q -m "not stack and not model" -p no:cacheprovider --durations=5 \
+	@$(BIN)/python -m pytest -q -m "$(FAST)" -p no:cacheprovider --durations=5 \
 		> .pytest-fast.log 2>&1 & fast=$$!; \
 	$(BIN)/python -m pytest -q -m "stack or model" --durations=25; rc=$$?; \
 	wait $$fast; fast_rc=$$?; echo "--- beside it, the tests that need neither the stack nor the model:"; \
@@ -75,7 +77,7 @@ test-postgres: setup model
 
 # The fast subset: no stack, no model.
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not stack and not model"
+	$(BIN)/python -m pytest -q -m "$(FAST)"
 
 test-vllm: setup model
 	$(BIN)/python -m pytest -q tests/engine_vllm

@@ -160,9 +160,9 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
     """Do the shards' accuracies differ more than their problems' difficulties explain?
 
     A permutation test over problems (`_permutation_p`): the shards' spread of correct counts against the spread when
-    whole problems are dealt to the shards at random, keeping each shard's number of problems. Where the plan split
-    problems' samples over shards, each problem's samples are shuffled among its shards instead (`_within_problem_p`). It needs no
-    assumption about how the samples of a problem cluster, so it holds its false-alarm rate (about alpha) with 5
+    whole problems are dealt to the shards at random, keeping each shard's number of problems (where the plan split
+    problems' samples over shards, each problem's samples are shuffled among its shards instead:
+    `_within_problem_p`). It needs no assumption about how the samples of a problem cluster, so it holds its false-alarm rate (about alpha) with 5
     problems per shard as with 500. With one problem per shard a shard effect cannot be told apart from problem
     difficulty, and the diagnostic says so instead of testing. Fires when p < alpha. The plain and the
     design-effect-corrected chi-square p-values are kept in the details for reference. All-correct or all-wrong

@@ -194,7 +194,8 @@ def shard_count(n_problems: int, slots: int, requested: int | None = None, confi
                 samples_per_problem: int = 1, split_samples: bool = False) -> int:
     """How many shards an evaluation of `n_problems` (each sampled `samples_per_problem` times) gets.
 
-    An explicit count (the request's, else the benchmark config's) is honoured, capped by the problems. Otherwise:
+    An explicit count (the request's, else the benchmark config's) is honoured, capped by the problems (by the
+    sequences with `split_samples`). Otherwise:
     no more shards than `slots` (gpu slots that can run shards at once: more shards would only queue behind each
     other, each paying its own start-up) or problems, and none with fewer than MIN_SEQUENCES_PER_SHARD sequences
     (problems x samples: a 4-problem greedy slice is one shard, while AIME24's 30 problems x 32 samples spread over 8
@@ -205,10 +206,10 @@ def shard_count(n_problems: int, slots: int, requested: int | None = None, confi
         raise ConfigError("no problems to evaluate")
     if slots < 1:
         raise ConfigError(f"slots must be >= 1, got {slots}")
-    units = n_problems * max(1, samples_per_problem) if split_samples else n_problems
+    sequences = n_problems * max(1, samples_per_problem)
+    units = sequences if split_samples else n_problems      # the most shards that each hold something
     if requested or configured:
         return min(requested or configured, units)
-    sequences = n_problems * max(1, samples_per_problem)
     return max(1, min(slots, units, sequences // MIN_SEQUENCES_PER_SHARD))
 
 
