@@ -240,16 +240,23 @@ def test_strip_thinking_reads_the_answer_after_the_reasoning():
 
 
 _START_SERVER = """
+import time
 import psutil
 from evaldag.grading import grade_many, start_worker_server
 
+def forkservers():
+    return [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
+
 if __name__ == "__main__":
     start_worker_server()
-    servers = [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]
-    assert len(servers) == 1, psutil.Process().children()
+    # it is started without waiting: until its exec, the child still shows this script's command line
+    deadline = time.monotonic() + 10
+    while not (servers := forkservers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(servers) == 1, [p.cmdline() for p in psutil.Process().children()]
     assert [g.correct for g in grade_many([("\\\\boxed{4}", "4", "stop")])] == [True]
     start_worker_server()                  # grading used it (no second one started); once running, a no-op
-    assert [p.pid for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())] == [servers[0].pid]
+    assert [p.pid for p in forkservers()] == [servers[0].pid]
 """
 
 
