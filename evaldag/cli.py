@@ -84,7 +84,8 @@ def up(
         show_default=False)] = None,
     heartbeat_s: Annotated[Optional[int], typer.Option(
         "--heartbeat-s", min=30, help="Seconds between flow-run heartbeats; a run silent for 3 periods (its node "
-        "lost) is set Crashed and relaunched (env EVALDAG_HEARTBEAT_S; default 30).", show_default=False)] = None,
+        "lost; env EVALDAG_MISSED_HEARTBEATS) is set Crashed and relaunched (env EVALDAG_HEARTBEAT_S; default 30).",
+        show_default=False)] = None,
     auth: Annotated[Optional[str], typer.Option(
         "--auth", help="USER:PASSWORD (password of 12 characters or more) that the Prefect API and MLflow require; "
         "needed when --host is not a loopback address; give the same to each node's `evaldag worker --auth` (env "

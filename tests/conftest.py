@@ -35,6 +35,9 @@ os.environ.setdefault("EVALDAG_DEFAULT_ENGINE", "hf")
 # each waiting half a poll on average. Stacks started through the CLI read this; the ones built here pass it.
 TEST_WORKER_QUERY_S = 1
 os.environ["EVALDAG_WORKER_QUERY_SECONDS"] = str(TEST_WORKER_QUERY_S)
+# A lost node's runs are crashed after 2 silent heartbeat periods (60 s) instead of 3 (90 s; test_stack checks it):
+# the netns test waits for that window. Read by stacks started through the CLI (the netns hosts' `evaldag up`).
+os.environ["EVALDAG_MISSED_HEARTBEATS"] = "2"
 for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
     os.environ.pop(var, None)
 
@@ -90,6 +93,7 @@ def live_stack():
     # waits out about three of them
     stack = Stack(StackSettings(home=_TMP / "stack-home", prefect_port=prefect_port, mlflow_port=mlflow_port,
                                 mlflow_timeout_s=TEST_MLFLOW_TIMEOUT_S, worker_query_seconds=TEST_WORKER_QUERY_S,
+                                missed_heartbeats=int(os.environ["EVALDAG_MISSED_HEARTBEATS"]),
                                 **extra))
     try:
         stack.up(deploy=True)

@@ -168,7 +168,7 @@ def _configure_only(monkeypatch) -> list[str]:
     calls: list[str] = []
     monkeypatch.setattr(cluster, "publish", lambda api, info: calls.append(f"publish {sorted(info.env)}"))
     monkeypatch.setattr(cluster, "unpublish", lambda api: calls.append("unpublish"), raising=False)
-    monkeypatch.setattr(cluster, "ensure_crash_automation", lambda api, hb: "kept")
+    monkeypatch.setattr(cluster, "ensure_crash_automation", lambda api, hb, missed: "kept")
     monkeypatch.setattr("evaldag.runtime.prefect_results.configure", lambda api, root: None)
     monkeypatch.setattr(Stack, "_ensure_pools", lambda self: None)
     monkeypatch.setattr(Stack, "_ensure_gpu_limit", lambda self, reset_slots=False: None)

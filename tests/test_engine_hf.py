@@ -136,6 +136,7 @@ def perturbed_reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.model
 def test_exact_kl_along_the_generated_path(perturbed_reference):
     """score_with_reference gives, per generated position, the exact KL over the whole vocabulary between the two
     models' next-token distributions: checked against a direct computation from both models' full logits, one
@@ -190,6 +191,7 @@ def opinionated_checkpoint(tmp_path_factory):
     return out
 
 
+@pytest.mark.model
 def test_greedy_ignores_the_checkpoints_sampling_settings(engine, opinionated_checkpoint):
     """Greedy means the argmax of the model's own logits: a checkpoint's repetition penalty or n-gram ban must not
     change it."""
@@ -201,6 +203,7 @@ def test_greedy_ignores_the_checkpoints_sampling_settings(engine, opinionated_ch
         other.close()
 
 
+@pytest.mark.model
 def test_sampling_draws_from_exactly_the_configured_distribution(opinionated_checkpoint, monkeypatch):
     """At every step the sampler draws from softmax(logits / temperature) of the model's raw logits (top_p 1): no
     top-k (neither the checkpoint's 1 nor transformers' default 50), no penalty, no minimum length."""

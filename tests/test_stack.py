@@ -27,6 +27,7 @@ from conftest import TEST_WORKER_QUERY_S, free_ports
 from evaldag.cli import app
 from evaldag.errors import ConfigError, StackError
 from evaldag.gpus import GPU_LIMIT
+from evaldag.runtime import cluster
 from evaldag.runtime.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
 
 GPU_WORKER = "gpu-worker-0"
@@ -97,17 +98,30 @@ def test_settings_from_env_and_gpu_pinning(monkeypatch, tmp_path):
 def test_production_keeps_the_real_waits(monkeypatch, tmp_path):
     """The tests' stack shortens some waits (conftest); production's values are these, and reach the workers."""
     monkeypatch.setenv("EVALDAG_HOME", str(tmp_path))
-    for var in ("EVALDAG_MLFLOW_TIMEOUT_S", "EVALDAG_HEARTBEAT_S", "EVALDAG_WORKER_QUERY_SECONDS"):
+    for var in ("EVALDAG_MLFLOW_TIMEOUT_S", "EVALDAG_HEARTBEAT_S", "EVALDAG_WORKER_QUERY_SECONDS",
+                "EVALDAG_MISSED_HEARTBEATS"):
         monkeypatch.delenv(var, raising=False)
     s = StackSettings.from_env()
     assert (s.mlflow_timeout_s, s.heartbeat_s, s.stop_timeout_s, s.start_timeout_s) == (30, 30, 10, 180)
     assert s.worker_query_seconds == 2
+    assert s.missed_heartbeats == 3 and cluster.crash_automation(s.heartbeat_s).trigger.within.total_seconds() == 90
     env = Stack(s)._desired_specs("x")[GPU_WORKER].env
     assert env["PREFECT_WORKER_QUERY_SECONDS"] == "2"
     assert (env["MLFLOW_HTTP_REQUEST_TIMEOUT"], env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) == ("30", "2")
     assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
     monkeypatch.setenv("EVALDAG_MLFLOW_TIMEOUT_S", "12")
     assert Stack(StackSettings.from_env())._desired_specs("x")[GPU_WORKER].env["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "12"
+
+
+def test_the_lost_run_window_is_a_setting_of_at_least_two_periods(monkeypatch, tmp_path):
+    """EVALDAG_MISSED_HEARTBEATS sets the automation's window (the tests use 2); one period is refused by name."""
+    monkeypatch.setenv("EVALDAG_HOME", str(tmp_path))
+    monkeypatch.setenv("EVALDAG_MISSED_HEARTBEATS", "2")
+    s = StackSettings.from_env(heartbeat_s=45)
+    assert cluster.crash_automation(s.heartbeat_s, s.missed_heartbeats).trigger.within.total_seconds() == 90
+    monkeypatch.setenv("EVALDAG_MISSED_HEARTBEATS", "1")
+    with pytest.raises(StackError, match="missed_heartbeats"):
+        StackSettings.from_env()
 
 
 def test_busy_server_answers_are_retried():

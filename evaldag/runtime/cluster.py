@@ -10,7 +10,8 @@ The Prefect API hands that block to any client that asks: protect the API (a rev
 Lost nodes: a flow run whose process dies together with its worker (node lost, kill -9 of both) stays Running
 forever, because nothing is left to report it. Every flow run of evaldag's workers sends a heartbeat event every
 `heartbeat_s` seconds (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, minimum 30), and the head's server gets a proactive
-automation (`crash_automation`) that sets a run Crashed when `3 * heartbeat_s` seconds pass after a heartbeat
+automation (`crash_automation`) that sets a run Crashed when `missed_heartbeats * heartbeat_s` seconds (3 x 30 s by
+default) pass after a heartbeat
 without another heartbeat or a final state. The parent's launch task then relaunches the shard on a live worker.
 Only flow runs tagged `evaldag` are watched: a flow run of anything else on the same server, with Prefect's default
 180 s heartbeat, must never be crashed by a 90 s window. The window is judged on the head's wall clock: after a clock
@@ -36,7 +37,8 @@ CLUSTER_BLOCK = "evaldag-cluster"
 CRASH_AUTOMATION = "evaldag-crash-lost-flow-runs"
 WATCHED_TAG = "evaldag"
 MIN_HEARTBEAT_S = 30  # Prefect's minimum for PREFECT_FLOWS_HEARTBEAT_FREQUENCY
-MISSED_HEARTBEATS = 3  # a run is lost after this many heartbeat periods of silence
+MISSED_HEARTBEATS = 3  # a run is lost after this many heartbeat periods of silence (StackSettings.missed_heartbeats)
+MIN_MISSED_HEARTBEATS = 2  # with 1, a single late heartbeat would crash a live run
 
 # The only variables a node takes from the head's block, and so the only ones the head publishes: the workers'
 # EVALDAG_* data and result settings, and the result store's, MLflow's and the model hub's settings and
@@ -191,8 +193,8 @@ def public_host(bind_host: str) -> str:
         return "127.0.0.1"
 
 
-def crash_automation(heartbeat_s: int):
-    """The proactive automation that crashes a watched flow run `MISSED_HEARTBEATS * heartbeat_s` seconds after its
+def crash_automation(heartbeat_s: int, missed_heartbeats: int = MISSED_HEARTBEATS):
+    """The proactive automation that crashes a watched flow run `missed_heartbeats * heartbeat_s` seconds after its
     last heartbeat, unless a final state came first (Prefect's documented zombie-flow pattern, limited to
     flow runs tagged WATCHED_TAG)."""
     from prefect.client.schemas.objects import StateType
@@ -200,7 +202,7 @@ def crash_automation(heartbeat_s: int):
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
-    within = MISSED_HEARTBEATS * heartbeat_s
+    within = missed_heartbeats * heartbeat_s
     final = [f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")]
     return AutomationCore(
         name=CRASH_AUTOMATION,
@@ -225,13 +227,13 @@ def crash_automation(heartbeat_s: int):
     )
 
 
-def ensure_crash_automation(api_url: str, heartbeat_s: int) -> str:
+def ensure_crash_automation(api_url: str, heartbeat_s: int, missed_heartbeats: int = MISSED_HEARTBEATS) -> str:
     """Create or update the crash automation on the server at `api_url`, exactly one by its name. Idempotent;
     returns what it did: "created", "updated" or "kept"."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    want = crash_automation(heartbeat_s)
+    want = crash_automation(heartbeat_s, missed_heartbeats)
     body = want.model_dump(mode="json")
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         existing = client.read_automations_by_name(CRASH_AUTOMATION)
@@ -257,7 +259,7 @@ def _canonical(value):
     return value
 
 
-__all__ = ["CLUSTER_BLOCK", "CRASH_AUTOMATION", "ClusterInfo", "MIN_HEARTBEAT_S", "MISSED_HEARTBEATS",
+__all__ = ["CLUSTER_BLOCK", "CRASH_AUTOMATION", "ClusterInfo", "MIN_HEARTBEAT_S", "MIN_MISSED_HEARTBEATS", "MISSED_HEARTBEATS",
            "NODE_ENV_ALLOWED", "NODE_ENV_ALLOWED_PREFIXES", "WATCHED_TAG", "accepted_env", "allowed_from_head",
            "crash_automation", "ensure_crash_automation", "fetch", "public_host", "publish",
            "reachable", "server_url", "shared_env", "unpublish"]

@@ -14,8 +14,8 @@ from email.utils import parsedate_to_datetime
 
 from evaldag.errors import StackError
 
-# A lag of 20 s leaves 70 s of the shortest window (90 s) for a heartbeat sent every 30 s to arrive; NTP keeps clocks
-# within milliseconds, so a skew near this is a clock that is not synchronised at all.
+# A lag of 20 s leaves 70 s of the default window (90 s; 40 s of the shortest, 60 s) for a heartbeat sent every 30 s
+# to arrive; NTP keeps clocks within milliseconds, so a skew near this is a clock that is not synchronised at all.
 MAX_CLOCK_SKEW_S = 20.0
 MAX_CLOCK_SKEW_ENV = "EVALDAG_MAX_CLOCK_SKEW_S"   # `evaldag worker --max-clock-skew-s`
 

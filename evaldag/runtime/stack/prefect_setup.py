@@ -128,7 +128,8 @@ class PrefectSetup:
         # flow and task results go to the workers' result store, where every node can read them
         prefect_results.configure(self.settings.prefect_api_url, self._results_root())
         # lost nodes: runs whose heartbeats stop are set Crashed, so their parents relaunch them
-        cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s)
+        cluster.ensure_crash_automation(self.settings.prefect_api_url, self.settings.heartbeat_s,
+                                        self.settings.missed_heartbeats)
         # the block holds credentials and the Prefect API hands it to whoever asks: only a head started for nodes
         # (which has API auth, see StackSettings.check_exposure) publishes it
         if self.settings.for_nodes:

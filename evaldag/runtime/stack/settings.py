@@ -81,7 +81,14 @@ class StackSettings(BaseModel):
     heartbeat_s: int = Field(
         cluster.MIN_HEARTBEAT_S, ge=cluster.MIN_HEARTBEAT_S,
         description="Seconds between flow-run heartbeats of the workers (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, "
-                    "EVALDAG_HEARTBEAT_S); a run silent for 3 periods is set Crashed by the head's automation.")
+                    "EVALDAG_HEARTBEAT_S); a run silent for `missed_heartbeats` periods is set Crashed by the head's "
+                    "automation.")
+    missed_heartbeats: int = Field(
+        cluster.MISSED_HEARTBEATS, ge=cluster.MIN_MISSED_HEARTBEATS,
+        description="Heartbeat periods of silence after which the head's automation sets a flow run Crashed "
+                    "(EVALDAG_MISSED_HEARTBEATS): 3 x 30 s = 90 s, so a lost node's shard is relaunched 60-90 s "
+                    "after the loss. Fewer relaunch sooner but crash a run whose heartbeats are late (a loaded "
+                    "server, a clock step: evaldag.runtime.liveness undoes such a crash). The tests use 2.")
     database_url: str | None = Field(
         None, description="SQLAlchemy URL of the Prefect server's database (EVALDAG_DATABASE_URL), e.g. "
                           "postgresql+asyncpg://user:pw@db:5432/prefect; default: SQLite in <home>/prefect.")
@@ -281,6 +288,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
                      ("mlflow_port", "EVALDAG_MLFLOW_PORT"), ("num_gpus", "EVALDAG_NUM_GPUS"),
                      ("tp", "EVALDAG_TP"), ("worker_query_seconds", "EVALDAG_WORKER_QUERY_SECONDS"),
                      ("advertise_host", "EVALDAG_ADVERTISE_HOST"), ("heartbeat_s", "EVALDAG_HEARTBEAT_S"),
+                     ("missed_heartbeats", "EVALDAG_MISSED_HEARTBEATS"),
                      ("database_url", "EVALDAG_DATABASE_URL"), ("postgres_port", "EVALDAG_POSTGRES_PORT"),
                      ("postgres_dir", "EVALDAG_POSTGRES_DIR"), ("node_name", "EVALDAG_NODE_NAME"),
                      ("api_auth", "EVALDAG_API_AUTH"), ("mlflow_timeout_s", "EVALDAG_MLFLOW_TIMEOUT_S")):
