@@ -163,9 +163,15 @@ class EvalPlan(BaseModel):
 
     @property
     def n_requests(self) -> int:
-        """Requests over all shards, what shard progress counts as "problems": the problems, or where the plan
-        split them, every problem once per shard that holds some of its samples."""
+        """Requests over all shards, what shard progress counts: the problems, or where the plan split them, every
+        problem once per shard that holds some of its samples."""
         return sum(len(shard) for shard in self.shards)
+
+    @property
+    def progress_unit(self) -> str:
+        """What progress counts, in words: "problems", or "requests" where a problem's samples are split over
+        shards (a split problem is a request on each shard that holds some of it)."""
+        return "problems" if self.sample_runs is None else "requests"
 
     def sample_ids(self) -> list[str]:
         """Every problem of the evaluation once, in the order of the shards (a split problem is in several)."""

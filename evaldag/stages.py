@@ -100,7 +100,7 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
             _record_stage(plan, shard, "generate", computed=False)
             if progress is not None:
                 total = plan.shard_inputs(shard).height
-                progress(ShardProgress(total, total, 0, tokens_left=0, seconds_left=0.0))
+                progress(ShardProgress(total, total, 0, tokens_left=0, seconds_left=0.0, unit=plan.progress_unit))
         else:
             _generate(plan, shard, out, progress)
             _record_stage(plan, shard, "generate", computed=True)
@@ -199,7 +199,7 @@ class _ShardRun:
             if self.time_left is not None else None
         self._progress(ShardProgress(self.done, len(self.prompts), self._reported_tokens,
                                      est.tokens_per_s if est else None, est.tokens_left if est else None,
-                                     est.seconds_left if est else None))
+                                     est.seconds_left if est else None, self.plan.progress_unit))
 
     def rows(self, i: int, completions: list) -> list[dict]:
         """One row per completion of problem `i`: its input row plus what the engine returned."""

@@ -77,7 +77,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         groups = [[path for path, plan in zip(plan_paths, plans) if plan.num_shards > s]
                   for s in range(max(plan.num_shards for plan in plans))]
         if dispatch == "deployment":
-            with evaluation_progress(flow_run.id, names, sum(plan.n_requests for plan in plans)):
+            unit = "requests" if any(plan.progress_unit == "requests" for plan in plans) else "problems"
+            with evaluation_progress(flow_run.id, names, sum(plan.n_requests for plan in plans), unit=unit):
                 results = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)).result()
         else:
             results = [shard_flow(group, s) for s, group in enumerate(groups)]

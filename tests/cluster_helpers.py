@@ -77,6 +77,14 @@ class NewGenerations:
         return wait(lambda: self.chunk(batch), timeout=timeout, every=0.2)
 
 
+def progress_artifacts(flow_run_ids: list) -> list:
+    """The progress artifacts the flow runs `flow_run_ids` published (a shard's, or a parent's whole-evaluation)."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    return _run(lambda c: c.read_artifacts(artifact_filter=ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=list(flow_run_ids)), type=ArtifactFilterType(any_=["progress"]))))
+
+
 def flow_run_processes(flow_run_id) -> list[psutil.Process]:
     """This machine's processes of one flow run (the worker hands PREFECT__FLOW_RUN_ID to it and its children)."""
     found = []

@@ -17,10 +17,10 @@ import polars as pl
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterName, FlowRunFilter,
-                                            FlowRunFilterParentFlowRunId)
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 from prefect.deployments import run_deployment
 
+from cluster_helpers import children, progress_artifacts
 from evaldag.schema import GRADE_STATUSES
 from evaldag.tracking.names import experiment_name
 from evaldag.tracking.samples import load_samples
@@ -31,35 +31,11 @@ TINY = {"max_new_tokens": 24}
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 
 
-def _shard_runs(parent_id) -> list:
-    """Flow runs of the shard flow started by the parent's launch tasks."""
-    import asyncio
-
-    async def go():
-        async with get_client() as client:
-            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
-            return runs
-
-    return asyncio.run(go())
-
-
 def _progress_artifacts(parent_id, parent: bool = False) -> list:
     """The progress artifacts published by the parent's shard flow runs (or by the parent itself)."""
-    import asyncio
     from uuid import UUID
 
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
-
-    shard_ids = [UUID(str(parent_id))] if parent else [r.id for r in _shard_runs(parent_id)]
-
-    async def go():
-        async with get_client() as client:
-            return await client.read_artifacts(artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=shard_ids),
-                type=ArtifactFilterType(any_=["progress"])))
-
-    return asyncio.run(go())
+    return progress_artifacts([UUID(str(parent_id))] if parent else [r.id for r in children(parent_id)])
 
 
 def _runs_with_key(benchmark: str, eval_key: str) -> list:
@@ -91,7 +67,7 @@ def test_deployment_run_cli_end_to_end(live_stack):
 
     parent = asyncio.run(latest_parent())
     assert parent.state.is_completed()
-    shards = _shard_runs(parent.id)
+    shards = children(parent.id)
     assert len(shards) == 2 and all(r.state.is_completed() for r in shards)
     assert {r.work_pool_name for r in shards} == {"gpu"}
     assert parent.work_pool_name == "cpu"
@@ -162,8 +138,8 @@ def test_checkpoint_folder_and_idempotent_tracking(live_stack):
     result_dir, stage_dir = Path(plan["result_dir"]), Path(plan["stage_dir"])
     gens = list(stage_dir.glob("generations-*.parquet"))
     assert len(gens) == 1
-    assert len(_shard_runs(first.id)) == 1
-    assert _shard_runs(second.id) == []
+    assert len(children(first.id)) == 1
+    assert children(second.id) == []
     assert gens[0].stat().st_mtime < second.start_time.timestamp()
     stages = json.loads((result_dir / "shards" / "stages-0000.json").read_text())
     assert stages == {"generate": "reused", "grade": "reused"}
@@ -194,7 +170,7 @@ def test_bad_input_fails_before_generation(live_stack, tmp_path):
         message = cases[name][1]
         assert state.is_failed(), (name, state)
         assert message in state.message, (name, state.message)
-        assert _shard_runs(fr.id) == [], name
+        assert children(fr.id) == [], name
 
 
 def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):

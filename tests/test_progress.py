@@ -117,3 +117,27 @@ def test_the_evaluations_progress_text_sums_the_shards_and_is_never_read_as_a_sh
         "evaluation of math500: 7 of 500 problems, 1234 tokens generated; 152 tok/s, about 21 min left; "
         "shards 1 running, 2/3 done, 1 retried")
     assert progress.parse(text) is None
+
+
+def test_a_plan_that_splits_samples_counts_requests_not_problems():
+    """Where a problem's samples are split over shards, a shard's count is of requests (runs of one problem's
+    samples), and every text says so: the shard's, the snapshot that sums them, `evaldag run`'s line."""
+    text = progress.describe("aime24", 1, ShardProgress(3, 30, 800, unit="requests"))
+    assert text == "aime24 shard 1: 3 of 30 requests, 800 tokens generated"
+    assert progress.parse(text) == progress.Reported("aime24", 1, ShardProgress(3, 30, 800, unit="requests"))
+    assert progress.parse(progress.describe("aime24", 1, ShardProgress(3, 30, 800))).progress.unit == "problems"
+    snap = progress.Snapshot(done=3, total=30, tokens=800, shards=8, running=8, unit="requests")
+    assert "3 of 240 requests" in progress.describe_evaluation(["aime24"], 3, 240, snap, "requests")
+    out, now = io.StringIO(), [0.0]
+    with progress.Display(Console(file=out, force_terminal=False, width=200), "eval/aime24", every_s=60,
+                          clock=lambda: now[0]) as display:
+        now[0] = 60.0
+        display.update("Running", snap)
+    assert out.getvalue().startswith("eval/aime24: 3/30 requests, 800 tokens")
+
+
+def test_the_plan_says_what_its_progress_counts():
+    from evaldag.plan import EvalPlan
+
+    assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": None})()) == "problems"
+    assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": [[(0, 4)]]})()) == "requests"

@@ -11,7 +11,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect.deployments import run_deployment
 
-from cluster_helpers import alive, flow_run_processes
+from cluster_helpers import alive, children, flow_run_processes, progress_artifacts
 from evaldag.tracking.names import experiment_name
 from evaldag.tracking.samples import load_samples
 
@@ -34,7 +34,7 @@ def _assert_shards_left_nothing(stack, parent_id) -> None:
     """Every shard flow run's processes have exited (the engine lives in them: on a CPU host vLLM's core runs inside
     the shard's process, so a shard that does not exit keeps the engine, its KV cache and threads), and no vLLM
     engine process outlived its shard (hosts whose engine core is a process of its own: GPUs)."""
-    shards = _children(parent_id)
+    shards = children(parent_id)
     assert shards and all(r.state.is_final() for r in shards)
     deadline = time.monotonic() + 30          # the worker reaps a finished run's process within moments
     while (procs := [p for r in shards for p in flow_run_processes(r.id) if alive(p)]) and time.monotonic() < deadline:
@@ -66,20 +66,12 @@ def test_eval_flow_on_the_vllm_engine(live_stack):
     assert per_shard.height == 8 and set(per_shard["len"]) == {2}, per_shard    # 2 samples per problem per shard
     assert samples["completion"].str.len_chars().min() > 0
     assert set(samples["finish_reason"]) <= {"stop", "length"}
+    # progress counts requests (runs of a problem's samples), and says so: 4 per shard, 8 for the evaluation
+    shard_texts = sorted(a.description.split(": ", 1)[1] for a in progress_artifacts([r.id for r in children(fr.id)]))
+    assert [t.split(",")[0] for t in shard_texts] == ["4 of 4 requests"] * 2, shard_texts
+    [whole] = progress_artifacts([fr.id])
+    assert whole.description.startswith("evaluation of gsm8k: 8 of 8 requests"), whole.description
     _assert_shards_left_nothing(live_stack, fr.id)
-
-
-def _children(parent_id) -> list:
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
-    return asyncio.run(read())
 
 
 def test_a_checkpoint_on_two_benchmarks_loads_the_engine_once(live_stack):
@@ -93,7 +85,7 @@ def test_a_checkpoint_on_two_benchmarks_loads_the_engine_once(live_stack):
     assert set(summaries) == {"gsm8k", "aime24"}
     assert [s["metrics"]["n_samples"] for s in summaries.values()] == [2, 2]
     assert sum(s["metrics"]["engine_loads"] for s in summaries.values()) == 1
-    shard_runs = [r for r in _children(fr.id) if r.name.startswith("gsm8k+aime24-")]
+    shard_runs = [r for r in children(fr.id) if r.name.startswith("gsm8k+aime24-")]
     assert len(shard_runs) == 1 and shard_runs[0].state.is_completed()
 
     client = MlflowClient()
