@@ -19,9 +19,8 @@ import pytest
 from mlflow import MlflowClient
 from prefect.deployments import run_deployment
 
-from cluster_helpers import flow_run, wait_final
+from cluster_helpers import children, flow_run, wait_final
 from evaldag.tracking.names import JOBS_EXPERIMENT, charts_url
-from test_e2e import _shard_runs
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 
@@ -62,7 +61,7 @@ def evaluated(live_stack, sync_api):
     for fr in parents:
         assert fr.state.is_completed(), fr.state
     # evaluations of the same checkpoint share the stored shards and launch none: check one that computed
-    launched = [(fr, runs) for fr in parents if (runs := _shard_runs(fr.id))]
+    launched = [(fr, runs) for fr in parents if (runs := children(fr.id))]
     assert launched, "no evaluation started shard flow runs"
     exp = MlflowClient().get_experiment_by_name(JOBS_EXPERIMENT)
     return launched[0][0], launched[0][1], exp
