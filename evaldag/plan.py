@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from os import PathLike
 from pathlib import Path
+from typing import Literal
 
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -28,6 +29,10 @@ from evaldag.keys import result_engine_args
 from evaldag.models import ResolvedModel, resolve_model, with_engine
 from evaldag.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
 from evaldag.schema import INPUT_SCHEMA, read_table, write_table
+from evaldag.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
+
+# Times the sequential verdict is read, at equal steps of the problems (evaldag.decide)
+DEFAULT_ROUNDS = 10
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
@@ -66,6 +71,19 @@ class EvalRequest(BaseModel):
     # Not part of any key either: where the job is headed, for the forecast logged on its parent run.
     final_step: int | None = Field(None, ge=1, description="the training job's planned last step: the forecast of "
                                                            "its accuracy there is logged on the job's parent run")
+    # Sequential stopping (evaldag.decide). Part of the eval_key (a stopped evaluation's metrics are over a prefix
+    # of the problems), not of the generation key: a later full evaluation reuses the rows generated before the stop.
+    decide: Literal["vs_best"] | None = Field(None, description="stop generating as soon as the paired verdict "
+                                                                "against the job's best checkpoint so far is "
+                                                                "decided (an anytime-valid confidence sequence)")
+    decide_alpha: float | None = Field(None, gt=0, lt=1, description="error rate of the sequential verdict "
+                                                                     f"(default {DEFAULT_ALPHA})")
+    decide_margin: float | None = Field(None, ge=0, lt=1, description="accuracy difference within which two "
+                                                                      "checkpoints are `equivalent` (default "
+                                                                      f"{DEFAULT_MARGIN})")
+    decide_rounds: int | None = Field(None, ge=1, le=1000, description="how many times, at equal steps of the "
+                                                                       "problems, the verdict is read (default "
+                                                                       f"{DEFAULT_ROUNDS})")
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":
@@ -166,6 +184,15 @@ class EvalPlan(BaseModel):
         """Requests over all shards, what shard progress counts: the problems, or where the plan split them, every
         problem once per shard that holds some of its samples."""
         return sum(len(shard) for shard in self.shards)
+
+    @property
+    def decide_settings(self) -> tuple[float, float, int] | None:
+        """(alpha, margin, rounds) of the sequential verdict when the request asks for one (decide), else None."""
+        r = self.request
+        if r.decide is None:
+            return None
+        return (r.decide_alpha or DEFAULT_ALPHA, DEFAULT_MARGIN if r.decide_margin is None else r.decide_margin,
+                r.decide_rounds or DEFAULT_ROUNDS)
 
     @property
     def progress_unit(self) -> str:
@@ -289,6 +316,9 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         raise ConfigError("KL to a reference model needs log-probabilities of given completions, which engine "
                           "'openai' (a server's API) cannot give; evaluate with a reference on local weights with "
                           "engine=hf")
+    if reference and request.decide:
+        raise ConfigError("decide (stopping early) and a reference model (KL) cannot be combined: the KL estimate "
+                          "scores every completion of the evaluation; drop `reference` or `decide`")
     split_key = {} if runs is None else {"sample_runs": runs}   # absent when not split: older keys stay valid
     generation_key = compute_eval_key({
         **split_key,
@@ -311,7 +341,10 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),
     })
     train_run = request.train_run or _default_train_run(request.checkpoint, model)
+    decide = {} if request.decide is None else {"decide": [request.decide, request.decide_alpha,
+                                                           request.decide_margin, request.decide_rounds]}
     eval_key = compute_eval_key({
+        **decide,    # absent when not asked for: older keys stay valid
         "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
         "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
     })

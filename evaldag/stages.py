@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
 import resource
 import time
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from upath import UPath
 
 from evaldag import faults
 from evaldag import metrics as metricsmod
-from evaldag import store
+from evaldag import decide, store
 from evaldag.errors import ConfigError
 from evaldag.plan import EvalPlan
 from evaldag.progress import ShardProgress
@@ -86,8 +85,10 @@ def record_reused(plan: EvalPlan, shard: int) -> None:
 Progress = Callable[[ShardProgress], None]
 
 
-def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None) -> UPath:
-    """Generate `n` completions for every problem of one shard; write and return the generations file.
+def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None) -> UPath | None:
+    """Generate `n` completions for every problem of one shard; write and return the generations file, or None when
+    the evaluation was decided early and its parent asked the shard to stop (evaldag.decide; what was generated
+    stays in the shard's chunks for a later evaluation).
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
     `progress`, when given, hears how many of the shard's problems are done and how many tokens were generated,
@@ -102,20 +103,22 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
                 total = plan.shard_inputs(shard).height
                 progress(ShardProgress(total, total, 0, tokens_left=0, seconds_left=0.0, unit=plan.progress_unit))
         else:
-            _generate(plan, shard, out, progress)
+            if not _generate(plan, shard, out, progress):
+                return None
             _record_stage(plan, shard, "generate", computed=True)
     if plan.reference is not None:
         score_shard(plan, shard)
     return out
 
 
-def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None = None) -> None:
+def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None = None) -> bool:
     """Generate the shard's missing completions, made durable as parquet chunks while they come (a shard killed
     midway, by node loss, OOM or kill -9, resumes from its chunks and loses at most one chunk's worth), then merge
     the chunks into `out`. An engine that reports per request (generate_requests: vLLM) gets every missing request
     at once and its rows are written in chunks of finished requests (_PerRequest); a static-batch engine gets every
     missing batch (Engine.generate_batches) and each batch is written as it completes (_PerBatch). Seeds are per
-    request or per batch, never per chunk, so the resumed output equals an uninterrupted one."""
+    request or per batch, never per chunk, so the resumed output equals an uninterrupted one. Returns False when it
+    stopped on its parent's request (evaldag.decide) before the end: the chunks stay, nothing is merged."""
     from evaldag.engines import engine_for
     from evaldag.models import check_unchanged
 
@@ -133,12 +136,17 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         if run.todo:
             check_context(plan, got.engine, prompts)
         run.generate()
+    if run.stopped:
+        log.info("shard %d: stopped at its parent's request (the evaluation is decided); %d of %d problems "
+                 "generated, kept in %s", shard, run.done, len(run.prompts), chunks)
+        return False
     write_table(_merge_chunks(chunks, inputs, plan.shard_runs(shard), shard), out, GENERATION_SCHEMA)
     store.write_json(plan.stats_path("generate", shard), {
         "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": run.seconds,
         "generation_tokens": float(run.tokens), **run.resumed,
         "peak_rss_mb": _peak_rss_mb(), "peak_gpu_mb": _peak_gpu_mb()})
     store.remove_tree(chunks)
+    return True
 
 
 # How often generated rows are made durable, for engines that report per request: a chunk is written once this
@@ -182,6 +190,17 @@ class _ShardRun:
         self.resumed: dict[str, int] = {}
         self.running_counts: tuple[int, ...] | None = None    # each running sequence's tokens, where reported
         self.time_left: TimeLeft | None = None                # set once `todo` is known
+        self.stopped = False                                  # the parent decided the evaluation (evaldag.decide)
+        self._stop_checked = 0.0
+
+    def stop_asked(self) -> bool:
+        """Whether the parent asked this evaluation's shards to stop (a file in the store: looked at once a second
+        at most)."""
+        if self.plan.request.decide is None or time.perf_counter() - self._stop_checked < 1.0:
+            return False
+        self._stop_checked = time.perf_counter()
+        self.stopped = decide.stop_requested(self.plan)
+        return self.stopped
 
     def start_forecast(self, problems: list[int]) -> None:
         """Forecast the end of these problems' completions (evaldag.time_left)."""
@@ -253,6 +272,8 @@ class _PerBatch(_ShardRun):
                 left -= 1
                 self.report(force=True)         # a batch is minutes of work: every one is news
                 self.log_rate(f"batch {b + 1} of {len(self.batches)} done ({left} left)")
+                if left and self.stop_asked():
+                    break
                 if left:
                     faults.maybe_fail("generate")
         self.seconds = time.perf_counter() - t1
@@ -291,13 +312,20 @@ class _PerRequest(_ShardRun):
         # Submitted in a seeded random order, not the plan's (longest prompt first: harder problems, longer answers,
         # docs/performance.md): the forecast of the end
         # (evaldag.time_left) reads the requests finished so far as a fair sample of all, which holds only when the
-        # order says nothing of length. Completions do not depend on it (seeds are per request).
-        random.Random(f"{seed}:{self.shard}").shuffle(requests)
+        # order says nothing of length. It is the evaluation's decision order, the same on every shard, so that a
+        # prefix of it completes first where the evaluation may stop early (evaldag.decide). Completions do not
+        # depend on it (seeds are per request).
+        rank = {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), seed))}
+        requests.sort(key=lambda r: rank[self.records[r.key]["sample_id"]])
+        window = decide.in_flight(self.plan)
+        options = {} if window is None else {"max_in_flight": window}
         # closing(): a failure must also withdraw the requests still in the engine, which stays loaded for the
         # retry (engines.keep_loaded)
         try:
-            with contextlib.closing(self.engine.generate_requests(requests, self.plan.sampling)) as events:
+            with contextlib.closing(self.engine.generate_requests(requests, self.plan.sampling, **options)) as events:
                 for event in events:
+                    if self.stop_asked():
+                        break
                     if isinstance(event, Finished):
                         self._finished(event.key, event.completions)
                     elif event.tokens is not None:
@@ -342,7 +370,7 @@ class _PerRequest(_ShardRun):
         self._pending, self._pending_requests = [], 0
 
 
-def _chunk_files(chunks: UPath) -> list[UPath]:
+def chunk_files(chunks: UPath) -> list[UPath]:
     """A shard's chunks, batch chunks and request chunks alike, in a fixed order."""
     return sorted([*chunks.glob("batch-*.parquet"), *chunks.glob("requests-*.parquet")], key=str)
 
@@ -351,7 +379,7 @@ def _written_samples(chunks: UPath) -> set[str]:
     """The sample ids whose rows are already in a chunk (a request's n rows are written together)."""
     if not chunks.is_dir():
         return set()
-    return {sid for p in _chunk_files(chunks) for sid in read_table(p, GENERATION_SCHEMA)["sample_id"].to_list()}
+    return {sid for p in chunk_files(chunks) for sid in read_table(p, GENERATION_SCHEMA)["sample_id"].to_list()}
 
 
 def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:
@@ -389,7 +417,7 @@ def workload(plan: EvalPlan, shard: int):
 def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, runs: list[tuple[int, int]], shard: int) -> pl.DataFrame:
     """The chunks of a shard as one table in the plan's order, checked to hold each problem's run of samples."""
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
-    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in _chunk_files(chunks)])
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in chunk_files(chunks)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
     expected = sum(count for _, count in runs)
     if df.height != expected:
@@ -534,6 +562,19 @@ def _group_answers(plan: EvalPlan, graded: pl.DataFrame, workers: int) -> tuple[
     return grouped, calls.timeouts
 
 
+def grade_rows(plan: EvalPlan, gens: pl.DataFrame, workers: int = 1) -> pl.DataFrame:
+    """Grade generated rows of this plan (any shards'; the parent grades a stopped evaluation's prefix with it):
+    their gold taken from the plan's inputs (see with_current_inputs), answers graded and grouped for maj@k."""
+    from evaldag.grading import grade_table
+
+    own = [c for c in INPUT_SCHEMA if c not in ("sample_id", "prompt")]
+    gens = (gens.drop(own).join(plan.inputs().select("sample_id", *own), on="sample_id", how="left",
+                                maintain_order="left").select(list(GENERATION_SCHEMA)))
+    graded = grade_table(gens, timeout_s=plan.benchmark.grading_timeout_s, workers=workers,
+                         strip_thinking=plan.benchmark.strip_thinking)
+    return _group_answers(plan, graded, workers)[0]
+
+
 def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     from evaldag.grading import grade_table
 
@@ -577,16 +618,17 @@ def _cache_hit_rate(plan: EvalPlan) -> float:
     return sum(s == "reused" for s in states) / len(states) if states else 0.0
 
 
-def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike]) -> dict:
+def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: list[str] | None = None) -> dict:
     """Merge the shards' graded files, check completeness, compute every metric and the shard diagnostic;
-    write samples.parquet (with per-sample rewards) and metrics.json; return the metrics."""
+    write samples.parquet (with per-sample rewards) and metrics.json; return the metrics. `only`: the problems the
+    metrics are over when not all of the plan's (an evaluation stopped early: its prefix, evaldag.decide)."""
     from evaldag.diagnostics import shard_disagreement
     from evaldag.rewards import combined_reward, reward_metrics
     from evaldag.sampling_metrics import sampling_metrics
 
     t0 = time.perf_counter()
     graded = pl.concat([read_table(p, GRADED_SCHEMA) for p in graded_paths])
-    expected = plan.sample_ids()
+    expected = plan.sample_ids() if only is None else only
     metricsmod.check_complete(graded, expected, plan.sampling.n)
     graded = graded.sort(["sample_id", "sample_index"])
     result = {

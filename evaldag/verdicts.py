@@ -417,6 +417,17 @@ def logged_verdict_lines(tags: Mapping[str, str], metrics: Mapping[str, float]) 
     """One line per verdict logged on a run (`log_verdicts`), for `evaldag run`: whom it was compared with, the
     difference in accuracy points with its interval, the p-value and the number of common problems."""
     lines = []
+    if tags.get("decide.status") in ("stopped", "completed"):
+        text = f"decide vs best ({tags.get('decide.vs', '')}): {tags.get('decide.verdict', 'undecided')}"
+        if "decide.problems" in metrics and "decide.n_problems" in metrics:
+            text += f" after {int(metrics['decide.problems'])} of {int(metrics['decide.n_problems'])} problems"
+        if tags["decide.status"] == "stopped":
+            text += ", stopped early"
+            if "decide.tokens_saved_est" in metrics:
+                text += f" (about {int(metrics['decide.tokens_saved_est'])} tokens saved)"
+        lines.append(text)
+    elif tags.get("decide.status") == "no_incumbent":
+        lines.append("decide vs best: nothing earlier in this job to compare with; evaluated in full")
     for name in REFERENCES:
         verdict = tags.get(f"verdict.vs_{name}")
         if verdict is None:

@@ -12,18 +12,22 @@ from __future__ import annotations
 
 from typing import Literal
 
+import polars as pl
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 
+from evaldag import store
+from evaldag.decide import Decider, Decision, graded_prefix_path
 from evaldag.runtime.deployments import EVAL_FLOW
 from evaldag.runtime.liveness import revive, watch_for_false_crash
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
 from evaldag.progress import evaluation_progress
 from evaldag.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
+from tasks.decide import decide_while_generating, deciders_for, publish
 from tasks.gpu_slots import pool_num_gpus
 from tasks.launch_shard import launch_shard
 from tasks.reduce import reduce_task
@@ -50,6 +54,10 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     benchmarks: list[str] | None = None,
     baseline: str | None = None,
     final_step: int | None = None,
+    decide: Literal["vs_best"] | None = None,
+    decide_alpha: float | None = None,
+    decide_margin: float | None = None,
+    decide_rounds: int | None = None,
 ) -> dict:
     """Evaluate one checkpoint on `benchmark` (or on every one of `benchmarks`) and log each to MLflow; returns the
     headline figures (for several benchmarks: {"benchmarks": {name: figures}}).
@@ -58,7 +66,9 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     "inline" runs the shards one after another inside this flow run (no workers needed). `baseline` (a run id,
     checkpoint path, model name or JOB@STEP) adds a paired verdict against that evaluation to each MLflow run, next
     to those against the job's previous and best checkpoints. `final_step` (the job's planned last step) gets the
-    job's parent run a forecast of its accuracy there (evaldag.forecast).
+    job's parent run a forecast of its accuracy there (evaldag.forecast). `decide="vs_best"` stops generating as
+    soon as the paired verdict against the job's best checkpoint so far is decided, at level `decide_alpha` with
+    equivalence margin `decide_margin`, read `decide_rounds` times (evaldag.decide; with dispatch="deployment").
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
@@ -67,33 +77,57 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,
                                       num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
                                       train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine,
-                                      baseline=baseline, final_step=final_step)
+                                      baseline=baseline, final_step=final_step, decide=decide,
+                                      decide_alpha=decide_alpha, decide_margin=decide_margin,
+                                      decide_rounds=decide_rounds)
                     for name in names]     # every request is checked before anything is resolved
         # inline shards run one after another: more than one only repeats the engine load
         num_gpus = pool_num_gpus() if dispatch == "deployment" else 1
         plan_paths = [resolve_task(request, num_gpus) for request in requests]
         plans = [load_plan(path) for path in plan_paths]
+        # inline shards run one after another in this process: nothing can read them while they generate
+        deciders, decisions = deciders_for(plan_paths, plans) if dispatch == "deployment" else ({}, {})
+        # an evaluation an earlier attempt stopped early needs no shard again
+        running = [(path, plan) for path, plan in zip(plan_paths, plans)
+                   if not (path in decisions and decisions[path].stopped)]
         # slot s runs shard s of every plan that has one, on one engine load
-        groups = [[path for path, plan in zip(plan_paths, plans) if plan.num_shards > s]
-                  for s in range(max(plan.num_shards for plan in plans))]
+        groups = [[path for path, plan in running if plan.num_shards > s]
+                  for s in range(max((plan.num_shards for _, plan in running), default=0))]
         if dispatch == "deployment":
             unit = "requests" if any(plan.progress_unit == "requests" for plan in plans) else "problems"
-            with evaluation_progress(flow_run.id, names, sum(plan.n_requests for plan in plans), unit=unit):
-                results = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)).result()
+            with evaluation_progress(flow_run.id, names, sum(plan.n_requests for _, plan in running), unit=unit):
+                futures = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)) if groups else []
+                decisions |= decide_while_generating(list(futures), deciders)
+                results = [future.result() for future in futures]
         else:
             results = [shard_flow(group, s) for s, group in enumerate(groups)]
         graded: dict[str, list[str]] = {path: [] for path in plan_paths}
         for group, paths in zip(groups, results):
             for plan_path, path in zip(group, paths):
-                graded[plan_path].append(path)
-        summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step)
+                if path is not None:
+                    graded[plan_path].append(path)
+        summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, decisions.get(path),
+                                                            deciders.get(path))
                      for path, plan in zip(plan_paths, plans)}
         return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
 
 
-def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int) -> dict:
-    """Reduce one benchmark's shards, log them to MLflow, and publish the Prefect artifacts; returns the summary."""
-    metrics = reduce_task(plan_path, graded)
+def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int,
+                      decision: Decision | None = None, decider: Decider | None = None) -> dict:
+    """Reduce one benchmark's shards (an evaluation stopped early: the prefix it was decided on), log them to
+    MLflow, and publish the Prefect artifacts; returns the summary."""
+    if decision is not None and decision.stopped:
+        metrics = reduce_task(plan_path, [str(graded_prefix_path(plan))], decision.prefix)
+    else:
+        metrics = reduce_task(plan_path, graded)
+    if decider is not None and decision is None:     # ran to the end undecided: the verdict over every problem
+        with store.local_copy(plan.path("samples.parquet")) as local:
+            decision = decider.final(pl.read_parquet(local, columns=["sample_id", "sample_index", "correct",
+                                                                     "completion_tokens"]))
+        publish(plan, decision)
+    if decision is not None:
+        decision.save(plan)       # track tags the run from it
+        metrics = {**metrics, **decision.metrics()}
     run = track_task(plan_path, metrics, flow_run.id)
     summary = {"eval_key": plan.eval_key, "mlflow_run_id": run.run_id, "mlflow_url": run.url,
                "new_mlflow_run": run.created, "metrics": metrics}

@@ -24,9 +24,10 @@ from tasks.shard_stages import generate_task, grade_task
 
 
 @flow(name=SHARD_FLOW, log_prints=True)
-def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
+def shard_flow(plan_path: str | list[str], shard_index: int) -> str | None | list[str | None]:
     """One shard of each plan (the benchmarks of one checkpoint): one engine load for all of them, every
-    completion, then grading; returns the graded file's path (a list of them for a list of plans).
+    completion, then grading; returns the graded file's path (a list of them for a list of plans; None for a plan
+    its parent stopped early, evaldag.decide).
 
     Generation (the GPU work) holds tensor_parallel_size slots of the `evaldag-gpus` concurrency limit; grading is
     CPU work and holds none, and runs after the engine is closed, so its memory is free again. Generations already
@@ -38,7 +39,7 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | list[str]:
         return _shard_flow_body(plan_path, shard_index)
 
 
-def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | list[str]:
+def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | None | list[str | None]:
     paths = [plan_path] if isinstance(plan_path, str) else list(plan_path)
     plans = [load_plan(p) for p in paths]
     to_generate = [plan for plan in plans
@@ -54,7 +55,7 @@ def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | list
             need = w.covering(need)
     # engines close (keep_loaded ends) before the slots go back
     with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(need):
-        for path in paths:
-            generate_task(path, shard_index)
-    graded = [grade_task(path, shard_index) for path in paths]
+        generated = [generate_task(path, shard_index) for path in paths]
+    # a plan stopped early (evaldag.decide) has nothing to grade here: its parent grades the decided prefix
+    graded = [grade_task(path, shard_index) if out is not None else None for path, out in zip(paths, generated)]
     return graded[0] if isinstance(plan_path, str) else graded

@@ -11,6 +11,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
+from evaldag.decide import stop_requested
 from evaldag.runtime.deployments import SHARD_DEPLOYMENT
 from evaldag.errors import CheckpointError
 from evaldag.runtime.liveness import is_lost_run_crash, settled
@@ -32,10 +33,11 @@ def _relaunchable(task, task_run, state) -> bool:
 
 
 @task(name="launch-shard", retries=2, retry_delay_seconds=5, retry_condition_fn=_relaunchable)
-def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str]:
+def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str | None]:
     """Start one shard flow run for shard `shard_index` of every plan that still needs it, wait for it, and return
-    the graded file of each plan (in the order of `plan_paths`). The plans are the benchmarks of one checkpoint:
-    the shard run loads the engine once for all of them."""
+    the graded file of each plan (in the order of `plan_paths`; None for a plan its parent decided early and
+    stopped, evaldag.decide). The plans are the benchmarks of one checkpoint: the shard run loads the engine once
+    for all of them."""
     log = get_run_logger()
     plans = [load_plan(p) for p in plan_paths]
     graded = {path: shard_done(plan, shard_index) for path, plan in zip(plan_paths, plans)}
@@ -44,16 +46,19 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
             record_reused(plan, shard_index)
             log.info("%s shard %d: every stage already in the result store (%s), not launched", plan.benchmark.name,
                      shard_index, graded[path])
-    todo = [(path, plan) for path, plan in zip(plan_paths, plans) if graded[path] is None]
+    todo = [(path, plan) for path, plan in zip(plan_paths, plans)
+            if graded[path] is None and not stop_requested(plan)]
     if todo:
         _run_shard(todo, shard_index, parent_run_id)
         for path, plan in todo:
             graded[path] = plan.graded_path(shard_index)
-            if not graded[path].is_file():
+            if not graded[path].is_file() and stop_requested(plan):
+                graded[path] = None       # stopped before its end: the parent reduces the decided prefix
+            elif not graded[path].is_file():
                 raise RuntimeError(f"shard {shard_index} completed but wrote no {graded[path]}; is the result store "
                                    "shared between the cpu and gpu workers?")
         log.info("shard %d of %s done", shard_index, "+".join(plan.benchmark.name for _, plan in todo))
-    return [str(graded[path]) for path in plan_paths]
+    return [None if graded[path] is None else str(graded[path]) for path in plan_paths]
 
 
 def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id: str) -> None:

@@ -9,6 +9,7 @@ from evaldag.stages import reduce_results
 
 
 @task(name="reduce", persist_result=True, retries=0)
-def reduce_task(plan_path: str, graded_paths: list[str]) -> dict:
-    """Check one row per (sample, index), compute metrics; returns them."""
-    return reduce_results(load_plan(plan_path), graded_paths)
+def reduce_task(plan_path: str, graded_paths: list[str], only: list[str] | None = None) -> dict:
+    """Check one row per (sample, index), compute metrics; returns them. `only`: the problems of an evaluation
+    stopped early (evaldag.decide), when not all of the plan's."""
+    return reduce_results(load_plan(plan_path), graded_paths, only)

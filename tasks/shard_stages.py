@@ -16,11 +16,12 @@ from tasks.retry import retry_transient
 @task(name="generate", persist_result=True,
       retries=2, retry_delay_seconds=exponential_backoff(5), retry_jitter_factor=0.2,
       retry_condition_fn=retry_transient)
-def generate_task(plan_path: str, shard_index: int) -> str:
+def generate_task(plan_path: str, shard_index: int) -> str | None:
     """Generate one shard (skipped when its output already exists), its progress published as a Prefect progress
-    artifact; returns the generations file."""
+    artifact; returns the generations file, or None when the parent stopped the evaluation early (evaldag.decide)."""
     plan = load_plan(plan_path)
-    return str(generate_shard(plan, shard_index, artifact_progress(plan.benchmark.name, shard_index)))
+    out = generate_shard(plan, shard_index, artifact_progress(plan.benchmark.name, shard_index))
+    return None if out is None else str(out)
 
 
 @task(name="grade", persist_result=True, retries=1, retry_delay_seconds=2, retry_condition_fn=retry_transient)

@@ -294,10 +294,13 @@ class StreamingEngine:
     def plan_batches(self, prompts, sampling):
         return [list(range(lo, min(lo + 64, len(prompts)))) for lo in range(0, len(prompts), 64)]
 
-    def generate_requests(self, requests, sampling):
+    in_flight: list = []        # the max_in_flight each call was given (None: all at once)
+
+    def generate_requests(self, requests, sampling, max_in_flight=None):
         from evaldag.engines.base import Finished, Running
 
         type(self).submitted.append([r.key for r in requests])
+        type(self).in_flight.append(max_in_flight)
         order = sorted(requests, key=lambda r: (len(r.prompt), r.key))
         for j, r in enumerate(order):
             if j == type(self).crash_after:
@@ -453,13 +456,20 @@ def test_sampled_rows_do_not_depend_on_chunking_or_sharding(streaming, monkeypat
 
 def test_requests_are_submitted_in_a_seeded_random_order(streaming):
     """The engine gets the shard's requests shuffled (the forecast of the end needs an order unrelated to length;
-    the plan's is longest prompt first), the same shuffle every time."""
+    the plan's is longest prompt first), the same shuffle every time: the evaluation's decision order, all at once
+    (no in-flight limit unless the evaluation may stop early)."""
+    from evaldag.decide import decision_order
+
     ckpt, _, results = streaming
-    StreamingEngine.submitted = []
-    generate_shard(_plan_of(ckpt, results / "a"), 0)
+    StreamingEngine.submitted, StreamingEngine.in_flight = [], []
+    plan = _plan_of(ckpt, results / "a")
+    generate_shard(plan, 0)
     generate_shard(_plan_of(ckpt, results / "b"), 0)
     first, second = StreamingEngine.submitted
     assert sorted(first) == list(range(8)) and first != list(range(8)) and first == second
+    ids = plan.shard_inputs(0)["sample_id"].to_list()
+    assert [ids[k] for k in first] == decision_order(ids, plan.sampling.seed)
+    assert StreamingEngine.in_flight == [None, None]
 
 
 def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch):

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -162,27 +163,34 @@ class VLLMEngine(EngineBase):
                     yield b, [done[k] for k in range(sizes[b])]
 
     def generate_requests(self, requests: list[Request], sampling: SamplingConfig,
-                          report_s: float = 2.0) -> Iterator[Event]:
+                          report_s: float = 2.0, max_in_flight: int | None = None) -> Iterator[Event]:
         """Every request into the engine at once (continuous batching over all of them); yields a Finished as each
         request finishes, and every `report_s` seconds at most a Running with the tokens the unfinished requests
         have generated so far (None where vLLM does not say). A completion's latency_s is its own request's: from the engine step in which it
         produced its first token (its prefill included) to the step that finished it, not its time in the queue.
         Closing the iterator early aborts the requests still in the engine, so an engine kept loaded for a retry
-        starts it empty."""
+        starts it empty. `max_in_flight`: at most this many requests in the engine at once, the next one added as one
+        finishes, so requests finish near their order (an evaluation that may stop early, evaldag.decide)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         ids = self._prompt_ids([r.prompt for r in requests]) if requests else []
         waiting: dict[str, int] = {}            # vLLM request id -> index into requests
+        queued = iter(range(len(requests)))
+        window = len(requests) if max_in_flight is None else max(1, max_in_flight)
+
+        def add(i: int) -> None:
+            params = self._sampling_params(sampling, requests[i].seed, requests[i].n)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            self._requests += 1
+            rid = f"evaldag-{self._requests}"
+            engine.add_request(rid, TokensPrompt(prompt_token_ids=ids[i]), params)
+            waiting[rid] = i
+
         try:
-            for i, (request, prompt_ids) in enumerate(zip(requests, ids)):
-                params = self._sampling_params(sampling, request.seed, request.n)
-                params.output_kind = RequestOutputKind.FINAL_ONLY
-                self._requests += 1
-                rid = f"evaldag-{self._requests}"
-                engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), params)
-                waiting[rid] = i
+            for i in itertools.islice(queued, window):
+                add(i)
             submitted = time.perf_counter()
             started: dict[str, float] = {}      # request id -> start of the step that gave its first token
             last_report = submitted
@@ -195,6 +203,8 @@ class VLLMEngine(EngineBase):
                     if not out.finished or out.request_id not in waiting:
                         continue
                     i = waiting.pop(out.request_id)
+                    for nxt in itertools.islice(queued, 1):
+                        add(nxt)
                     latency = time.perf_counter() - started.pop(out.request_id, submitted)
                     yield Finished(requests[i].key,
                                    self._completions(ids[i], out, latency, len(requests)))

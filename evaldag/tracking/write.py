@@ -185,7 +185,16 @@ def _run_tags(plan: EvalPlan, flow_run_id: str | None) -> dict[str, str]:
         "kind": "ckpt_eval",
         SETTINGS_TAG: plan_settings_key(plan),                        # the sweeper's "evaluated with these settings"
         COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
+        **_decision_tags(plan),
     }
+
+
+def _decision_tags(plan: EvalPlan) -> dict[str, str]:
+    """decide.status / verdict / vs of an evaluation that asked for a sequential verdict (evaldag.decide)."""
+    from evaldag.decide import Decision
+
+    decision = Decision.load(plan) if plan.request.decide is not None else None
+    return decision.tags() if decision is not None else {}
 
 
 def _run_params(plan: EvalPlan) -> dict[str, Any]:

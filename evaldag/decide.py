@@ -1,0 +1,271 @@
+"""Sequential stopping: end an evaluation's generation as soon as its paired verdict against the job's best
+checkpoint so far is decided (the request's `decide="vs_best"`).
+
+How it stays valid. The problems are put in one seeded random order (`decision_order`, fixed before any result and
+the same on every shard), and every shard submits its requests in that order, few at a time (`in_flight`), so that
+problems finish roughly in it. The parent reads the rows the shards make durable (their chunks) and uses only the
+longest *prefix* of the order whose problems are all generated: finished problems are a biased sample (short answers
+finish first), a prefix of a random order is not. At the end of each round (`round_ends`: `rounds` equal steps of
+the problems) it reads the anytime-valid confidence sequence of the paired difference over that prefix
+(evaldag.sequential) and stops at the first round whose verdict is decided. Reading the verdict only at round ends
+makes a stopped evaluation reproducible: its metrics are those of exactly the first `problems` problems of the order,
+whenever the polls happened.
+
+What is kept. The rows generated before the stop (the prefix and whatever else finished) stay in the shards' chunks,
+under the generation key, which `decide` is not part of: a later full evaluation of the same checkpoint resumes from
+them and generates only the rest. The stopped evaluation's own files (graded prefix, decision) live in its result
+folder, whose eval_key holds the decide settings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import polars as pl
+from upath import UPath
+
+from evaldag import store
+from evaldag.plan import EvalPlan
+from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
+from evaldag.sequential import sequential_verdict
+
+# Requests a shard keeps in its engine at once when the evaluation may stop early: few enough that problems finish
+# near their place in the order (a prefix completes early), enough to keep the engine's batch full. Default: the
+# model's batch_size. Scheduling only: the rows do not depend on it (seeds are per request).
+IN_FLIGHT_ENV = "EVALDAG_DECIDE_IN_FLIGHT"
+# How often the parent reads the shards' chunks while they generate.
+POLL_S_ENV, POLL_S = "EVALDAG_DECIDE_POLL_S", 10.0
+
+
+def decision_order(sample_ids: list[str], seed: int) -> list[str]:
+    """The problems in a random order fixed by `seed` alone (a hash per id, so every shard agrees on it and a
+    problem's rank does not depend on which others are in the evaluation)."""
+    def rank(sid: str) -> bytes:
+        return hashlib.sha256(f"{seed}:decide:{sid}".encode()).digest()
+
+    return sorted(dict.fromkeys(sample_ids), key=rank)
+
+
+def round_ends(n_problems: int, rounds: int) -> list[int]:
+    """Prefix lengths at which the verdict is read: `rounds` near-equal steps of the problems, the last one all."""
+    rounds = max(1, min(rounds, n_problems))
+    return sorted({math.ceil(n_problems * r / rounds) for r in range(1, rounds + 1)})
+
+
+def in_flight(plan: EvalPlan, environ: dict | None = None) -> int | None:
+    """Requests a shard keeps in its engine at once: None (all) unless the plan may stop early; then
+    $EVALDAG_DECIDE_IN_FLIGHT, default the model's batch_size. Raises ValueError naming a bad value."""
+    if plan.request.decide is None:
+        return None
+    raw = (os.environ if environ is None else environ).get(IN_FLIGHT_ENV, "").strip()
+    try:
+        value = int(raw) if raw else plan.model.batch_size
+    except ValueError:
+        raise ValueError(f"{IN_FLIGHT_ENV}={raw!r} is not an integer (requests in flight per shard)") from None
+    if value < 1:
+        raise ValueError(f"{IN_FLIGHT_ENV} must be >= 1, got {value}")
+    return value
+
+
+def poll_seconds(environ: dict | None = None) -> float:
+    """$EVALDAG_DECIDE_POLL_S (default POLL_S): how often the parent reads the shards' chunks."""
+    raw = (os.environ if environ is None else environ).get(POLL_S_ENV, "").strip()
+    value = float(raw) if raw else POLL_S
+    if value <= 0:
+        raise ValueError(f"{POLL_S_ENV} must be > 0, got {value}")
+    return value
+
+
+# ---- the files of a decision, in the evaluation's own folder --------------------------------------------------
+
+def stop_path(plan: EvalPlan) -> UPath:
+    """Written by the parent when the verdict is decided; the plan's shards stop generating when they see it."""
+    return plan.path("decide/stop")
+
+
+def decision_path(plan: EvalPlan) -> UPath:
+    return plan.path("decide/decision.json")
+
+
+def graded_prefix_path(plan: EvalPlan) -> UPath:
+    """The graded rows of the problems the stopped evaluation's metrics are over."""
+    return plan.path("decide/graded-prefix.parquet")
+
+
+def stop_requested(plan: EvalPlan) -> bool:
+    """Whether the parent has decided this evaluation and asked its shards to stop."""
+    return plan.request.decide is not None and stop_path(plan).is_file()
+
+
+@dataclass
+class Decision:
+    """The state of a sequential comparison, as logged to MLflow and kept in decision.json."""
+
+    status: str                 # stopped / completed (never decided early) / no_incumbent
+    verdict: str = "undecided"  # better / worse / equivalent / undecided, at `problems`
+    vs: str = ""                # JOB@STEP of the incumbent
+    problems: int = 0           # problems the verdict (and a stopped evaluation's metrics) is over
+    n_problems: int = 0         # problems of the full evaluation
+    pairs: int = 0              # of those, the ones the incumbent also has
+    diff: float = float("nan")
+    ci_low: float = -1.0
+    ci_high: float = 1.0
+    alpha: float = 0.05
+    margin: float = 0.02
+    tokens_generated: int = 0   # by every shard until the stop (rows beyond the prefix included: they are kept)
+    tokens_full_est: int = 0    # the full evaluation's tokens, from the prefix's mean per problem
+    prefix: list[str] = field(default_factory=list)
+
+    @property
+    def stopped(self) -> bool:
+        return self.status == "stopped"
+
+    def metrics(self) -> dict[str, float]:
+        """Numeric figures for the MLflow run (`decide.*`)."""
+        out = {"decide.stopped": float(self.stopped), "decide.problems": float(self.problems),
+               "decide.n_problems": float(self.n_problems), "decide.pairs": float(self.pairs),
+               "decide.alpha": self.alpha, "decide.margin": self.margin}
+        if self.pairs:
+            out.update({"decide.diff": self.diff, "decide.ci_low": self.ci_low, "decide.ci_high": self.ci_high})
+        if self.stopped:
+            out.update({"decide.tokens_generated": float(self.tokens_generated),
+                        "decide.tokens_saved_est": float(max(0, self.tokens_full_est - self.tokens_generated))})
+        return out
+
+    def tags(self) -> dict[str, str]:
+        return {"decide.status": self.status, "decide.verdict": self.verdict, "decide.vs": self.vs}
+
+    def describe(self) -> str:
+        """One line for people (evaldag run, the Prefect artifact, the log)."""
+        if self.status == "no_incumbent":
+            return "decide vs best: no earlier evaluation of this job to compare with; evaluated in full"
+        text = (f"decide vs best ({self.vs}): {self.verdict} after {self.problems} of {self.n_problems} problems "
+                f"({self.pairs} paired")
+        if self.pairs:
+            text += f", {self.diff * 100:+.1f} points [{self.ci_low * 100:+.1f}, {self.ci_high * 100:+.1f}]"
+        text += f", alpha {self.alpha:g}, margin {self.margin:g})"
+        if self.stopped:
+            saved = max(0, self.tokens_full_est - self.tokens_generated)
+            text += f"; stopped early, about {saved} of {self.tokens_full_est} tokens saved"
+        return text
+
+    def save(self, plan: EvalPlan) -> None:
+        store.write_json(decision_path(plan), asdict(self))
+
+    @classmethod
+    def load(cls, plan: EvalPlan) -> "Decision | None":
+        path = decision_path(plan)
+        return cls(**store.read_json(path)) if path.is_file() else None
+
+
+# ---- the parent's side ------------------------------------------------------------------------------------------
+
+class Decider:
+    """Reads the shards' durable rows, grades the complete prefix of the decision order as it grows, and decides at
+    the ends of rounds. `incumbent`: sample_id and score (per-problem mean correctness) of the evaluation compared
+    with, labelled `vs`. Grading is `grade(rows) -> graded rows` (evaldag.stages.grade_rows with the plan's
+    settings)."""
+
+    def __init__(self, plan: EvalPlan, incumbent: pl.DataFrame, vs: str, grade) -> None:
+        alpha, margin, rounds = plan.decide_settings
+        self.plan, self.vs, self._grade = plan, vs, grade
+        self.alpha, self.margin = alpha, margin
+        self.order = decision_order(plan.sample_ids(), plan.sampling.seed)
+        self.ends = round_ends(len(self.order), rounds)
+        self.incumbent = dict(zip(incumbent["sample_id"].to_list(), incumbent["score"].to_list()))
+        self._chunks: dict[str, pl.DataFrame] = {}      # chunk path -> rows (a chunk never changes once written)
+        self._graded: list[pl.DataFrame] = []
+        self._graded_upto = 0                            # prefix length graded so far
+        self._next_end = 0                               # index into `ends` of the next round to read
+        self._scores: dict[str, float] = {}
+
+    def _rows(self) -> pl.DataFrame:
+        """Every row the shards have made durable: their chunks, or their merged generations once complete."""
+        from evaldag.stages import chunk_files
+
+        frames = []
+        for s in range(self.plan.num_shards):
+            out = self.plan.generations_path(s)
+            paths = [out] if out.is_file() else chunk_files(out.with_name(out.stem + ".chunks"))
+            for p in paths:
+                key = str(p)
+                if key not in self._chunks:
+                    try:
+                        self._chunks[key] = read_table(p, GENERATION_SCHEMA)
+                    except FileNotFoundError:   # merged and removed since the listing: read next time
+                        continue
+                frames.append(self._chunks[key])
+        return pl.concat(frames) if frames else pl.DataFrame(schema=GENERATION_SCHEMA)
+
+    def _complete_prefix(self, rows: pl.DataFrame) -> int:
+        n = self.plan.sampling.n
+        counts = dict(rows.group_by("sample_id").agg(pl.col("sample_index").n_unique()).iter_rows())
+        length = 0
+        for sid in self.order:
+            if counts.get(sid, 0) < n:
+                break
+            length += 1
+        return length
+
+    def poll(self) -> Decision | None:
+        """Read what is new; the decision when a round's verdict is decided, else None (keep generating)."""
+        rows = self._rows()
+        upto = self._complete_prefix(rows)
+        if upto > self._graded_upto:
+            new = self.order[self._graded_upto:upto]
+            fresh = (rows.filter(pl.col("sample_id").is_in(new))
+                     .unique(["sample_id", "sample_index"], keep="first", maintain_order=True))
+            graded = self._grade(fresh)
+            self._graded.append(graded)
+            for sid, score in graded.group_by("sample_id").agg(pl.col("correct").cast(pl.Float64).mean()).iter_rows():
+                self._scores[sid] = score
+            self._graded_upto = upto
+        while self._next_end < len(self.ends) and self.ends[self._next_end] <= upto:
+            end = self.ends[self._next_end]
+            self._next_end += 1
+            decision = self._decision(end, rows)
+            if decision.verdict != "undecided" and end < len(self.order):
+                decision.status = "stopped"
+                return decision
+        return None
+
+    def _decision(self, end: int, rows: pl.DataFrame, status: str = "stopped") -> Decision:
+        prefix = self.order[:end]
+        d = np.array([self._scores[sid] - self.incumbent[sid] for sid in prefix if sid in self.incumbent])
+        v = sequential_verdict(d, self.alpha, self.margin)
+        prefix_tokens = int(rows.filter(pl.col("sample_id").is_in(prefix))
+                            .unique(["sample_id", "sample_index"])["completion_tokens"].sum() or 0)
+        total_tokens = int(rows.unique(["sample_id", "sample_index", "shard_index"])["completion_tokens"].sum() or 0)
+        return Decision(status, v.verdict, self.vs, end, len(self.order), int(d.size), v.mean, v.ci_low, v.ci_high,
+                        self.alpha, self.margin, total_tokens,
+                        round(prefix_tokens * len(self.order) / max(end, 1)), prefix)
+
+    def graded_prefix(self, decision: Decision) -> pl.DataFrame:
+        """The graded rows of the decision's prefix, each (sample, index) once."""
+        graded = pl.concat(self._graded) if self._graded else pl.DataFrame(schema=GRADED_SCHEMA)
+        return graded.filter(pl.col("sample_id").is_in(decision.prefix))
+
+    def stop(self, decision: Decision) -> None:
+        """Keep the prefix's graded rows and the decision, then ask the shards to stop (in this order: a parent that
+        dies in between finds the decision again on its retry)."""
+        write_table(self.graded_prefix(decision), graded_prefix_path(self.plan), GRADED_SCHEMA)
+        decision.save(self.plan)
+        store.write_text(stop_path(self.plan), json.dumps({"verdict": decision.verdict,
+                                                          "problems": decision.problems}))
+
+    def final(self, samples: pl.DataFrame) -> Decision:
+        """The decision of an evaluation that ran to the end without stopping: the verdict over every problem, from
+        its graded samples (sample_id, correct, completion_tokens)."""
+        scores = samples.group_by("sample_id").agg(pl.col("correct").cast(pl.Float64).mean())
+        self._scores.update(dict(scores.iter_rows()))
+        rows = samples.select("sample_id", "sample_index", "completion_tokens").with_columns(shard_index=pl.lit(0))
+        return self._decision(len(self.order), rows, status="completed")
+
+
+__all__ = ["Decider", "Decision", "decision_order", "graded_prefix_path", "in_flight", "poll_seconds",
+           "round_ends", "stop_path", "stop_requested"]

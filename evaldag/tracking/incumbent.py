@@ -1,0 +1,31 @@
+"""The evaluation a sequential verdict compares with (evaldag.decide): the training job's best checkpoint so far on
+the same comparison key, read from MLflow before the shards start."""
+
+from __future__ import annotations
+
+import polars as pl
+
+from evaldag.plan import EvalPlan
+from evaldag.series import comparison_key
+from evaldag.tracking import client as tracking_client
+from evaldag.tracking.names import experiment_name
+
+
+def best_so_far(plan: EvalPlan) -> tuple[pl.DataFrame, str] | None:
+    """(per-problem scores: sample_id, n, score; its label JOB@STEP) of the job's best evaluation at an earlier step
+    with the same comparison key (evaldag.verdicts.references), or None when the job has none yet."""
+    from evaldag import verdicts
+
+    client = tracking_client.mlflow_client()
+    experiment = client.get_experiment_by_name(experiment_name(plan.benchmark.name))
+    if experiment is None:
+        return None
+    earlier = verdicts.earlier_evaluations(client, experiment.experiment_id, plan.train_run, comparison_key(plan),
+                                           plan.request.step)
+    best = verdicts.references(earlier).get("best")
+    if best is None:
+        return None
+    return verdicts.per_problem_scores(verdicts.download_samples(client, best["run_id"])), best["label"]
+
+
+__all__ = ["best_so_far"]

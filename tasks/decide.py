@@ -1,0 +1,73 @@
+"""The parent's side of sequential stopping (evaldag.decide): find what to compare with, then, while the shards
+generate, read their chunks and stop them as soon as the verdict is decided."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.futures import PrefectFuture, wait
+
+from evaldag.decide import Decider, Decision, poll_seconds
+from evaldag.plan import EvalPlan, load_plan
+from evaldag.stages import grade_rows
+from tasks.retry import retry_transient
+
+
+@task(name="find-incumbent", retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=retry_transient)
+def find_incumbent(plan_path: str):
+    """(per-problem scores, JOB@STEP) of the job's best evaluation so far with the same comparison key, or None."""
+    from evaldag.tracking.incumbent import best_so_far
+
+    return best_so_far(load_plan(plan_path))
+
+
+def deciders_for(plan_paths: Sequence[str], plans: Sequence[EvalPlan]) -> tuple[dict[str, Decider], dict[str, Decision]]:
+    """A Decider for each plan that asks for one and has an incumbent; the decision already known for the others
+    (one kept from an earlier attempt of this evaluation, or `no_incumbent`)."""
+    deciders, known = {}, {}
+    for path, plan in zip(plan_paths, plans):
+        if plan.request.decide is None:
+            continue
+        if (kept := Decision.load(plan)) is not None:
+            known[path] = kept
+            continue
+        found = find_incumbent(path)
+        if found is None:
+            alpha, margin, _ = plan.decide_settings
+            known[path] = Decision("no_incumbent", n_problems=plan.n_problems, alpha=alpha, margin=margin)
+            continue
+        scores, label = found
+        deciders[path] = Decider(plan, scores, label, lambda rows, plan=plan: grade_rows(plan, rows))
+    return deciders, known
+
+
+def decide_while_generating(futures: list[PrefectFuture], deciders: dict[str, Decider]) -> dict[str, Decision]:
+    """Wait for the shards' futures; meanwhile, every poll_seconds(), let each decider read the new rows, and stop
+    the evaluations it decides (Decider.stop). Returns the decisions reached, by plan path."""
+    log = get_run_logger()
+    decided: dict[str, Decision] = {}
+    every = poll_seconds()
+    while True:
+        _, running = wait(futures, timeout=every)
+        for path, decider in list(deciders.items()):
+            decision = decider.poll()
+            if decision is None:
+                continue
+            decider.stop(decision)
+            decided[path] = decision
+            del deciders[path]
+            log.info("%s: %s", decider.plan.benchmark.name, decision.describe())
+            publish(decider.plan, decision)
+        if not running:
+            return decided
+
+
+def publish(plan: EvalPlan, decision: Decision) -> None:
+    """The decision as a Prefect artifact of the evaluation's flow run (what the Prefect UI shows of it)."""
+    create_markdown_artifact(f"**{plan.benchmark.name}**: {decision.describe()}",
+                             key=f"decide-{plan.benchmark.name}", description="sequential verdict vs the job's best")
+
+
+__all__ = ["decide_while_generating", "deciders_for", "find_incumbent", "publish"]

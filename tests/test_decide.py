@@ -1,0 +1,172 @@
+"""Sequential stopping without a server (evaldag.decide): the decision order, the prefix the parent reads, the
+stop a shard obeys, the rows a later full evaluation reuses, and the reduce of a stopped evaluation. The real run
+through the stack is tests/test_decide_e2e.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+
+from evaldag import decide, stages
+from evaldag.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
+from evaldag.errors import ConfigError
+from evaldag.plan import EvalRequest, resolve
+from evaldag.schema import GENERATION_SCHEMA, write_table
+from evaldag.sequential import sequential_verdict
+from evaldag.stages import generate_shard, reduce_results
+from test_stages import StreamingEngine, setup, streaming  # noqa: F401 - fixtures
+
+
+def test_decision_order_is_a_seeded_permutation_that_every_subset_agrees_with():
+    ids = [f"p{i}" for i in range(50)]
+    order = decision_order(ids, seed=0)
+    assert sorted(order) == sorted(ids) and order != ids
+    assert decision_order(list(reversed(ids)), seed=0) == order          # the input order does not matter
+    assert decision_order(ids, seed=1) != order
+    subset = ids[::3]                    # a shard's problems: the same relative order as in the whole
+    assert decision_order(subset, seed=0) == [sid for sid in order if sid in set(subset)]
+
+
+def test_round_ends_are_equal_steps_ending_with_every_problem():
+    assert round_ends(40, 10) == [4, 8, 12, 16, 20, 24, 28, 32, 36, 40]
+    assert round_ends(7, 3) == [3, 5, 7]
+    assert round_ends(3, 10) == [1, 2, 3]
+    assert round_ends(5, 1) == [5]
+
+
+def _decide_plan(ckpt, results, limit=8, **options):
+    return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=limit, num_shards=1,
+                               decide="vs_best", **options), results)
+
+
+def test_decide_changes_the_eval_key_not_the_generations(setup):
+    ckpt, _, results = setup
+    full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1), results)
+    decided = _decide_plan(ckpt, results)
+    other_margin = _decide_plan(ckpt, results, decide_margin=0.1)
+    assert decided.generation_key == full.generation_key == other_margin.generation_key
+    assert len({full.eval_key, decided.eval_key, other_margin.eval_key}) == 3
+    assert decided.decide_settings == (0.05, 0.02, 10) and full.decide_settings is None
+    with pytest.raises(ConfigError, match="decide .* reference"):
+        _decide_plan(ckpt, results, reference=str(ckpt))
+    with pytest.raises(ConfigError, match="decide"):
+        EvalRequest.parse(benchmark="aime24", decide="vs_worst")
+
+
+def test_in_flight_is_the_batch_size_unless_set(setup, monkeypatch):
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results)
+    full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1), results)
+    assert decide.in_flight(full, {}) is None
+    assert decide.in_flight(plan, {}) == plan.model.batch_size
+    assert decide.in_flight(plan, {"EVALDAG_DECIDE_IN_FLIGHT": "3"}) == 3
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError, match="EVALDAG_DECIDE_IN_FLIGHT"):
+            decide.in_flight(plan, {"EVALDAG_DECIDE_IN_FLIGHT": bad})
+
+
+def test_a_stopped_shard_keeps_its_rows_and_a_full_evaluation_generates_only_the_rest(streaming, monkeypatch):
+    """The parent's stop (a file in the evaluation's folder) ends the shard's generation: the finished requests are
+    written, nothing is merged, no generations file exists; the full evaluation of the same checkpoint (same
+    generation key) then generates only the requests the stopped one did not, and its rows for the others are
+    the stopped run's."""
+    ckpt, _, results = streaming
+    monkeypatch.setenv("EVALDAG_DECIDE_IN_FLIGHT", "2")
+    plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7})
+    finished = []
+
+    def on_finish(request):
+        finished.append(request.key)
+        if len(finished) == 3:
+            stop_path(plan).parent.mkdir(parents=True, exist_ok=True)
+            stop_path(plan).write_text("{}")
+
+    StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.in_flight = on_finish, 0.6, []
+    assert generate_shard(plan, 0) is None
+    assert StreamingEngine.in_flight == [2] and stop_requested(plan)
+    assert not plan.generations_path(0).exists()
+    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    kept = pl.concat([pl.read_parquet(p) for p in stages.chunk_files(chunks)])
+    kept_ids = set(kept["sample_id"])
+    assert 3 <= len(kept_ids) < 8 and kept.height == 2 * len(kept_ids)
+
+    full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1,
+                               sampling={"n": 2, "temperature": 0.7}), results)
+    StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.generated = None, 0.0, []
+    rows = pl.read_parquet(generate_shard(full, 0))
+    assert len(StreamingEngine.generated) == 8 - len(kept_ids)          # nothing computed twice
+    assert rows.height == 16 and rows.select("sample_id", "sample_index").is_unique().all()
+    cols = ["sample_id", "sample_index", "completion"]
+    assert rows.filter(pl.col("sample_id").is_in(kept_ids)).select(cols).sort(cols).equals(kept.select(cols).sort(cols))
+
+
+def _rows(plan, sample_ids, text):
+    inputs = plan.inputs().filter(pl.col("sample_id").is_in(sample_ids))
+    return pl.DataFrame([{**r, "sample_index": k, "shard_index": 0, "completion": text(r), "completion_ids": [1],
+                          "prompt_tokens": 5, "completion_tokens": 10, "finish_reason": "stop", "latency_s": 0.1,
+                          "batch_size": 1} for r in inputs.to_dicts() for k in range(plan.sampling.n)],
+                        schema=GENERATION_SCHEMA)
+
+
+def test_the_parent_decides_on_the_complete_prefix_at_round_ends_and_reduces_it(setup):
+    """Rows after a gap in the decision order are not read (finished problems are not a random sample); the verdict
+    is read at round ends only, the first decided one stops, and the stopped evaluation's metrics are exactly
+    those of the prefix."""
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results, limit=30, decide_rounds=15)       # a verdict every 2 problems
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
+    incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 30, "score": [1.0] * 30})   # solved every problem
+    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    wrong = lambda r: "The answer is \\boxed{-12345}."                  # noqa: E731 - never an AIME answer
+    graded_calls = []
+
+    def grade(rows):
+        graded_calls.append(rows["sample_id"].to_list())
+        return stages.grade_rows(plan, rows)
+
+    decider = Decider(plan, incumbent, "job@1", grade)
+    # positions 0-8 and 10-19 done, 9 not yet: the prefix is 9 long, the round ends read are 2, 4, 6, 8
+    write_table(_rows(plan, order[:9] + order[10:20], wrong), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    first_decided = next(t for t in range(1, 31) if sequential_verdict(-np.ones(t), 0.05, 0.02).verdict != "undecided")
+    assert first_decided == 10        # the test's premise: undecided on the 9-long prefix
+    assert decider.poll() is None
+    assert len(graded_calls) == 1 and sorted(graded_calls[0]) == sorted(order[:9])
+    write_table(_rows(plan, order[9:10], wrong), chunks / "requests-000002.parquet", GENERATION_SCHEMA)
+    decision = decider.poll()
+    assert decision is not None and decision.stopped and decision.verdict == "worse"
+    assert decision.problems == 10 and decision.prefix == order[:10] and decision.pairs == 10
+    assert decision.diff == -1.0 and decision.ci_high < 0
+    # the prefix grew to 20 (10-19 were waiting behind 9); each graded once, the decision at the round end 10
+    assert sorted(graded_calls[1]) == sorted(order[9:20])
+    assert decision.tokens_generated == 20 * 10 and decision.tokens_full_est == 30 * 10
+
+    decider.stop(decision)
+    assert stop_requested(plan) and Decision.load(plan) == decision
+    metrics = reduce_results(plan, [str(decide.graded_prefix_path(plan))], decision.prefix)
+    assert metrics["n_samples"] == 10 and metrics["accuracy"] == 0.0
+    assert json.loads(plan.path("metrics.json").read_text())["n_samples"] == 10
+    assert decision.metrics()["decide.tokens_saved_est"] == 100
+    assert "worse after 10 of 30 problems" in decision.describe()
+
+
+def test_an_undecided_evaluation_runs_to_the_end(setup):
+    """A checkpoint as good as the incumbent on too few problems to be called equivalent: no round decides, the
+    parent never stops it, and the final decision covers every problem."""
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results, limit=6, decide_rounds=3)
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
+    golds = dict(plan.inputs().select("sample_id", "gold").iter_rows())
+    incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 6, "score": [1.0] * 6})
+    decider = Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows))
+    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    right = _rows(plan, order, lambda r: f"The answer is \\boxed{{{golds[r['sample_id']]}}}.")
+    write_table(right, chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    assert decider.poll() is None
+    graded = stages.grade_rows(plan, right)
+    final = decider.final(graded)
+    assert final.status == "completed" and not final.stopped and final.problems == 6
+    assert final.verdict == "undecided" and final.diff == 0.0
+    assert "decide.tokens_saved_est" not in final.metrics()
