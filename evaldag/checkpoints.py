@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evaldag.errors import CheckpointError
 from evaldag.rules import (BENCHMARK_PATTERN, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_checkpoint,
-                           describe_errors)
+                           check_decide, describe_errors)
 
 log = logging.getLogger("evaldag.checkpoints")
 
@@ -75,6 +75,8 @@ class CheckpointEvent(BaseModel):
     model: str | None = Field(None, min_length=1)
     mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)
     final_step: int | None = Field(None, ge=1, description="the job's planned last step, for its forecast")
+    decide: str | dict | None = Field(None, description="stop the evaluation early once its verdict against the "
+                                                        "job's best is decided (evaldag.rules.check_decide)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -126,6 +128,8 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
         raise CheckpointError(f"invalid checkpoint event payload: {describe_errors(e.errors(), top='(payload)')}") from None
     raw = event.path
     where = f"checkpoint event (train_run={event.train_run}, step={event.step})"
+    if event.decide is not None:
+        event = event.model_copy(update={"decide": check_decide(event.decide, CheckpointError)})
     extra_size = len(json.dumps(event.extra, separators=(",", ":"), default=str).encode())
     if extra_size > MAX_EXTRA_BYTES:
         raise CheckpointError(f"{where}: extra is {extra_size} bytes of JSON; at most {MAX_EXTRA_BYTES} are accepted "

@@ -91,6 +91,45 @@ def check_run_id(value: object, name: str = "mlflow_parent_run_id",
     return value
 
 
+DECIDE_MODES = ("vs_best",)
+DECIDE_FIELDS = ("alpha", "margin", "rounds")
+
+
+def check_decide(value: object, error: type[Exception] = ValueError) -> dict | None:
+    """A trainer's sequential-stopping request (evaldag.decide): None, "vs_best", or {"against": "vs_best", "alpha":
+    0 < a < 1, "margin": 0 <= m < 1, "rounds": 1..1000} (each but `against` optional). Returns it as that dict
+    (absent fields None), or raises `error` naming what is wrong."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = {"against": value}
+    if not isinstance(value, Mapping):
+        raise error(f"decide must be 'vs_best' or a mapping with against/alpha/margin/rounds, got {value!r}")
+    unknown = set(value) - {"against", *DECIDE_FIELDS}
+    if unknown:
+        raise error(f"decide has unknown keys {sorted(unknown)}; allowed: against, {', '.join(DECIDE_FIELDS)}")
+    out = {"against": value.get("against", "vs_best"), **{k: value.get(k) for k in DECIDE_FIELDS}}
+    if out["against"] not in DECIDE_MODES:
+        raise error(f"decide.against must be one of {DECIDE_MODES}, got {out['against']!r}")
+    checks = {"alpha": (lambda a: 0 < a < 1, "a number in (0, 1)"), "margin": (lambda m: 0 <= m < 1,
+                                                                             "a number in [0, 1)"),
+              "rounds": (lambda r: isinstance(r, int) and 1 <= r <= 1000, "an int in 1..1000")}
+    for key, (ok, rule) in checks.items():
+        v = out[key]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v)):
+            raise error(f"decide.{key} must be {rule}, got {v!r}")
+    return out
+
+
+def decide_overrides(decide: Mapping | None) -> dict:
+    """The evaluation parameters (decide, decide_alpha, ...) of a checked decide request (check_decide)."""
+    if not decide:
+        return {}
+    out = {"decide": decide["against"]}
+    out.update({f"decide_{k}": decide[k] for k in DECIDE_FIELDS if decide.get(k) is not None})
+    return out
+
+
 def check_checkpoint(folder: str | os.PathLike, error: type[Exception] = ValueError) -> Path:
     """`folder` as a Path when it is a complete Hugging Face-format checkpoint (config.json that parses, every
     weight file its index names, or a single weight file, non-empty, and a tokenizer), else `error` naming what is

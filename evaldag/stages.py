@@ -319,6 +319,8 @@ class _PerRequest(_ShardRun):
         requests.sort(key=lambda r: rank[self.records[r.key]["sample_id"]])
         window = decide.in_flight(self.plan)
         options = {} if window is None else {"max_in_flight": window}
+        if window is not None:      # the parent decides on written rows: a window's worth at a time at least
+            every_requests = min(every_requests, window)
         # closing(): a failure must also withdraw the requests still in the engine, which stays loaded for the
         # retry (engines.keep_loaded)
         try:

@@ -35,8 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from evaldag.rules import (TRAIN_RUN_PATTERN, check_benchmark_names, check_count, check_run_id, check_step,
-                           check_train_run)
+from evaldag.rules import (TRAIN_RUN_PATTERN, check_benchmark_names, check_count, check_decide, check_run_id,
+                           check_step, check_train_run)
 
 log = logging.getLogger("evaldag.trainer")
 
@@ -354,12 +354,16 @@ class CheckpointNotifier:
 
     `final_step`, the step training is planned to end at, travels with every event: the job's parent MLflow run
     then gets a forecast of the accuracy at that step (evaldag.forecast) from the checkpoints evaluated so far.
+    `decide` ("vs_best", or {"against": "vs_best", "alpha": 0.05, "margin": 0.02, "rounds": 10}) asks every
+    evaluation of the job to stop as soon as its paired verdict against the job's best checkpoint so far is decided
+    (evaldag.decide): cheaper evaluations, each a verdict rather than a full measurement.
     """
 
     def __init__(self, train_run: str, api_url: str | None = None, benchmarks: list[str] | None = None,
                  spool_dir: str | Path | None = None, timeout_s: float = 2.0, max_block_s: float = 5.0,
                  retries: int = 3, model: str | None = None, mlflow_parent_run_id: str | None = None,
-                 backoff_s: float = 0.2, final_step: int | None = None) -> None:
+                 backoff_s: float = 0.2, final_step: int | None = None,
+                 decide: str | dict | None = None) -> None:
         check_train_run(train_run)
         if benchmarks is not None:
             benchmarks = check_benchmark_names(benchmarks)
@@ -367,6 +371,7 @@ class CheckpointNotifier:
             raise ValueError(f"model must be a non-empty string or None, got {model!r}")
         check_run_id(mlflow_parent_run_id)
         _positive("final_step", final_step, int)
+        self.decide = check_decide(decide)
         _positive("timeout_s", timeout_s, float)
         _positive("max_block_s", max_block_s, float)
         _positive("backoff_s", backoff_s, float)
@@ -479,6 +484,7 @@ class CheckpointNotifier:
             "payload": {"path": abspath, "step": step, "epoch": epoch, "train_run": self.train_run,
                         "benchmarks": self.benchmarks, "model": self.model,
                         "mlflow_parent_run_id": self.mlflow_parent_run_id, "final_step": self.final_step,
+                        **({"decide": self.decide} if self.decide else {}),
                         "extra": dict(extra)},
         }
 

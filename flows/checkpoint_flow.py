@@ -14,7 +14,7 @@ from prefect import flow
 from evaldag.checkpoints import allowed_roots_from_env, validate_checkpoint_event
 from evaldag.runtime.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
-from evaldag.rules import check_limit
+from evaldag.rules import check_limit, decide_overrides
 from evaldag.triggers import requested_benchmarks
 from tasks.start_evaluation import start_evaluation
 
@@ -37,6 +37,7 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
         overrides["mlflow_parent_run_id"] = ckpt.mlflow_parent_run_id
     if ckpt.final_step:             # where the job is headed: its forecast is logged for that step
         overrides["final_step"] = ckpt.final_step
+    overrides.update(decide_overrides(ckpt.decide))     # stop early once the verdict vs the job's best is known
     # one flow run for all benchmarks: each gpu slot loads the checkpoint once for all of them. A repeated event
     # after a failed evaluation means "try again"; after a completed or cancelled one it starts nothing.
     return [start_evaluation(benchmarks, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True,

@@ -38,6 +38,10 @@ os.environ["EVALDAG_WORKER_QUERY_SECONDS"] = str(TEST_WORKER_QUERY_S)
 # A lost node's runs are crashed after 2 silent heartbeat periods (60 s) instead of 3 (90 s; test_stack checks it):
 # the netns test waits for that window. Read by stacks started through the CLI (the netns hosts' `evaldag up`).
 os.environ["EVALDAG_MISSED_HEARTBEATS"] = "2"
+# sequential stopping (evaldag.decide): the parent reads the shards' rows every second, 4 requests in flight per
+# shard so that a 24-problem slice finishes in several steps (production: 10 s, the model's batch_size)
+os.environ["EVALDAG_DECIDE_POLL_S"] = "1"
+os.environ["EVALDAG_DECIDE_IN_FLIGHT"] = "4"
 for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
     os.environ.pop(var, None)
 

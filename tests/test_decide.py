@@ -17,7 +17,10 @@ from evaldag.plan import EvalRequest, resolve
 from evaldag.schema import GENERATION_SCHEMA, write_table
 from evaldag.sequential import sequential_verdict
 from evaldag.stages import generate_shard, reduce_results
-from test_stages import StreamingEngine, setup, streaming  # noqa: F401 - fixtures
+import test_stages
+from test_stages import StreamingEngine
+
+setup, streaming = test_stages.setup, test_stages.streaming      # the stand-in engines' fixtures
 
 
 def test_decision_order_is_a_seeded_permutation_that_every_subset_agrees_with():
@@ -170,3 +173,42 @@ def test_an_undecided_evaluation_runs_to_the_end(setup):
     assert final.status == "completed" and not final.stopped and final.problems == 6
     assert final.verdict == "undecided" and final.diff == 0.0
     assert "decide.tokens_saved_est" not in final.metrics()
+
+
+# ---- asked for by the trainer: CheckpointNotifier(decide=...) -> the event -> the evaluation's parameters -------
+
+def test_check_decide_normalises_and_names_what_is_wrong():
+    from evaldag.rules import check_decide, decide_overrides
+
+    assert check_decide(None) is None
+    full = check_decide("vs_best")
+    assert full == {"against": "vs_best", "alpha": None, "margin": None, "rounds": None}
+    assert decide_overrides(full) == {"decide": "vs_best"}
+    spec = check_decide({"margin": 0.05, "rounds": 20})
+    assert decide_overrides(spec) == {"decide": "vs_best", "decide_margin": 0.05, "decide_rounds": 20}
+    for bad, words in ((42, "decide must be"), ("vs_worst", "decide.against"), ({"alpha": 1.0}, "decide.alpha"),
+                       ({"margin": -0.1}, "decide.margin"), ({"rounds": 2.5}, "decide.rounds"),
+                       ({"rounds": True}, "decide.rounds"), ({"stop": 1}, "unknown keys")):
+        with pytest.raises(ValueError, match=words):
+            check_decide(bad)
+
+
+def test_the_trainers_decide_travels_with_the_event_and_is_checked_on_arrival(tmp_path, monkeypatch):
+    from conftest import complete_checkpoint
+    from evaldag.checkpoints import validate_checkpoint_event
+    from evaldag.errors import CheckpointError
+    from evaldag.trainer import CheckpointNotifier
+
+    ckpt = complete_checkpoint(tmp_path / "run" / "checkpoint-100")
+    notifier = CheckpointNotifier("run", api_url="http://127.0.0.1:9", spool_dir=tmp_path / "spool",
+                                  decide={"margin": 0.05})
+    payload = notifier._build_event(ckpt, 100, None, {})["payload"]
+    assert payload["decide"] == {"against": "vs_best", "alpha": None, "margin": 0.05, "rounds": None}
+    event = validate_checkpoint_event(payload, [tmp_path])
+    assert event.decide == payload["decide"]
+    assert "decide" not in CheckpointNotifier("run", api_url="http://127.0.0.1:9",
+                                              spool_dir=tmp_path / "s2")._build_event(ckpt, 100, None, {})["payload"]
+    with pytest.raises(CheckpointError, match="decide.margin"):
+        validate_checkpoint_event({**payload, "decide": {"margin": 2}}, [tmp_path])
+    with pytest.raises(ValueError, match="decide.against"):
+        CheckpointNotifier("run", api_url="http://127.0.0.1:9", decide="vs_everyone")
