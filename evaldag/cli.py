@@ -293,9 +293,16 @@ def run(
                                                     "run id, checkpoint path, model name or JOB@STEP")] = None,
     final_step: Annotated[Optional[int], typer.Option(min=1, help="the training job's planned last step: its "
                                                       "parent run gets a forecast of the accuracy there")] = None,
+    decide: Annotated[bool, typer.Option(help="stop generating as soon as the paired verdict against the job's "
+                                         "best checkpoint so far is decided (README: Stopping early)")] = False,
+    decide_margin: Annotated[Optional[float], typer.Option(min=0, max=0.99, help="with --decide: the accuracy "
+                                                           "difference within which it is `equivalent`")] = None,
+    decide_alpha: Annotated[Optional[float], typer.Option(min=0.0001, max=0.5, help="with --decide: its error "
+                                                          "rate")] = None,
 ) -> None:
     """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result
-    and the paired verdicts against the job's previous and best checkpoints (and --baseline)."""
+    and the paired verdicts against the job's previous and best checkpoints (and --baseline), and with --decide
+    whether it stopped early."""
     from evaldag.runtime import runner
     from evaldag.runtime.stack import Stack
 
@@ -303,7 +310,9 @@ def run(
     sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
                                     sampling=sampling, train_run=train_run, baseline=baseline,
-                                    final_step=final_step).items()
+                                    final_step=final_step, decide="vs_best" if decide else None,
+                                    decide_margin=decide_margin if decide else None,
+                                    decide_alpha=decide_alpha if decide else None).items()
               if v is not None}
     runner.run_and_report(stack, benchmark, params)
 

@@ -117,7 +117,8 @@ class Decision:
     ci_high: float = 1.0
     alpha: float = 0.05
     margin: float = 0.02
-    tokens_generated: int = 0   # by every shard until the stop (rows beyond the prefix included: they are kept)
+    tokens_generated: int = 0   # generated for this evaluation until the stop (rows beyond the prefix included: kept)
+    tokens_reused: int = 0      # found in the result store when it started (an earlier evaluation's rows)
     tokens_full_est: int = 0    # the full evaluation's tokens, from the prefix's mean per problem
     prefix: list[str] = field(default_factory=list)
 
@@ -134,8 +135,14 @@ class Decision:
             out.update({"decide.diff": self.diff, "decide.ci_low": self.ci_low, "decide.ci_high": self.ci_high})
         if self.stopped:
             out.update({"decide.tokens_generated": float(self.tokens_generated),
-                        "decide.tokens_saved_est": float(max(0, self.tokens_full_est - self.tokens_generated))})
+                        "decide.tokens_reused": float(self.tokens_reused),
+                        "decide.tokens_saved_est": float(self.tokens_saved_est)})
         return out
+
+    @property
+    def tokens_saved_est(self) -> int:
+        """Tokens a full evaluation would still have generated: its estimated total less what exists now."""
+        return max(0, self.tokens_full_est - self.tokens_generated - self.tokens_reused)
 
     def tags(self) -> dict[str, str]:
         return {"decide.status": self.status, "decide.verdict": self.verdict, "decide.vs": self.vs}
@@ -150,8 +157,9 @@ class Decision:
             text += f", {self.diff * 100:+.1f} points [{self.ci_low * 100:+.1f}, {self.ci_high * 100:+.1f}]"
         text += f", alpha {self.alpha:g}, margin {self.margin:g})"
         if self.stopped:
-            saved = max(0, self.tokens_full_est - self.tokens_generated)
-            text += f"; stopped early, about {saved} of {self.tokens_full_est} tokens saved"
+            text += f"; stopped early, about {self.tokens_saved_est} of {self.tokens_full_est} tokens saved"
+            if self.tokens_reused:
+                text += f" ({self.tokens_reused} found already generated)"
         return text
 
     def save(self, plan: EvalPlan) -> None:
@@ -183,6 +191,8 @@ class Decider:
         self._graded_upto = 0                            # prefix length graded so far
         self._next_end = 0                               # index into `ends` of the next round to read
         self._scores: dict[str, float] = {}
+        # rows already in the store (an earlier evaluation's): reused, not generated for this one
+        self._reused = self._rows().select("sample_id", "sample_index", "shard_index").unique()
 
     def _rows(self) -> pl.DataFrame:
         """Every row the shards have made durable: their chunks, or their merged generations once complete."""
@@ -240,9 +250,12 @@ class Decider:
         v = sequential_verdict(d, self.alpha, self.margin)
         prefix_tokens = int(rows.filter(pl.col("sample_id").is_in(prefix))
                             .unique(["sample_id", "sample_index"])["completion_tokens"].sum() or 0)
-        total_tokens = int(rows.unique(["sample_id", "sample_index", "shard_index"])["completion_tokens"].sum() or 0)
+        keys = ["sample_id", "sample_index", "shard_index"]
+        rows = rows.unique(keys)
+        generated = int(rows.join(self._reused, on=keys, how="anti")["completion_tokens"].sum() or 0)
+        reused = int(rows.join(self._reused, on=keys, how="semi")["completion_tokens"].sum() or 0)
         return Decision(status, v.verdict, self.vs, end, len(self.order), int(d.size), v.mean, v.ci_low, v.ci_high,
-                        self.alpha, self.margin, total_tokens,
+                        self.alpha, self.margin, generated, reused,
                         round(prefix_tokens * len(self.order) / max(end, 1)), prefix)
 
     def graded_prefix(self, decision: Decision) -> pl.DataFrame:

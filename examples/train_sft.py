@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--benchmarks", default="gsm8k", help="comma-separated benchmarks to evaluate each checkpoint on")
     p.add_argument("--eval-limit", type=int, default=None,
                    help="ask for quick evaluations of the first N problems only (sent in the event; default: all)")
+    p.add_argument("--decide", action="store_true",
+                   help="stop each evaluation as soon as its verdict against the job's best checkpoint so far is "
+                        "decided (README: Stopping early)")
     p.add_argument("--api-url", default=os.environ.get("PREFECT_API_URL"),
                    help="Prefect API URL (default: $PREFECT_API_URL); without one, events are spooled")
     p.add_argument("--seed", type=int, default=0)
@@ -311,7 +314,8 @@ def run(args: argparse.Namespace) -> int:
                               freq_secs=args.save_every_secs)
         # final_step: the job's parent MLflow run forecasts the accuracy at the planned end (evaldag.forecast)
         notifier = CheckpointNotifier(train_run=start.train_run, api_url=args.api_url, benchmarks=args.benchmarks,
-                                      spool_dir=paths.home() / "spool" / start.train_run, final_step=args.max_steps)
+                                      spool_dir=paths.home() / "spool" / start.train_run, final_step=args.max_steps,
+                                      decide="vs_best" if args.decide else None)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if notifier.api_url is None:

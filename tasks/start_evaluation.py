@@ -32,7 +32,7 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
     key = evaluation_id(train_run, step, names, checkpoint, overrides)
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
-    deployment = evaluation_deployment(names)
+    deployment = _deployment_for(names)
     if deployment == SUITE_DEPLOYMENT:
         params["benchmarks"] = names
     run_name = f"{'+'.join(names)}-{train_run}-step{step}"
@@ -55,6 +55,25 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
                           fr.name, fr.state.name if fr.state else "Scheduled")
     return {"benchmark": "+".join(names), "benchmarks": names, "flow_run_id": str(fr.id), "flow_run_name": fr.name,
             "state": fr.state.name if fr.state else "Scheduled", "relaunch": action}
+
+
+def _deployment_for(names: list[str]) -> str:
+    """eval/<benchmark> for one benchmark, eval/suite for several, and for one whose config was added after the
+    deployments were made (no eval/<benchmark>: deployments/prefect.yaml lists the project's own) eval/suite too,
+    which evaluates any benchmark config it is given."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    name = evaluation_deployment(names)
+    if name == SUITE_DEPLOYMENT:
+        return name
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            get_run_logger().info("no deployment %s: evaluating %s with %s", name, names[0], SUITE_DEPLOYMENT)
+            return SUITE_DEPLOYMENT
+    return name
 
 
 def _named_runs(deployment_id: UUID | None, names: list[str]) -> list[Any]:

@@ -146,6 +146,11 @@ def test_the_parent_decides_on_the_complete_prefix_at_round_ends_and_reduces_it(
     assert sorted(graded_calls[1]) == sorted(order[9:20])
     assert decision.tokens_generated == 20 * 10 and decision.tokens_full_est == 30 * 10
 
+    # a decider started when these rows already exist (another evaluation generated them) reuses them
+    reused = Decider(plan, incumbent, "job@1", grade).poll()
+    assert (reused.problems, reused.tokens_generated, reused.tokens_reused) == (10, 0, 200)
+    assert reused.tokens_saved_est == 100
+
     decider.stop(decision)
     assert stop_requested(plan) and Decision.load(plan) == decision
     metrics = reduce_results(plan, [str(decide.graded_prefix_path(plan))], decision.prefix)
@@ -212,3 +217,16 @@ def test_the_trainers_decide_travels_with_the_event_and_is_checked_on_arrival(tm
         validate_checkpoint_event({**payload, "decide": {"margin": 2}}, [tmp_path])
     with pytest.raises(ValueError, match="decide.against"):
         CheckpointNotifier("run", api_url="http://127.0.0.1:9", decide="vs_everyone")
+
+
+def test_evaldag_run_prints_the_decision_from_the_runs_tags():
+    from evaldag.verdicts import logged_verdict_lines
+
+    stopped = Decision("stopped", "worse", "job@3", 40, 500, 40, -0.3, -0.5, -0.1, 0.05, 0.02, 9000, 0, 100000)
+    lines = logged_verdict_lines(stopped.tags(), stopped.metrics())
+    assert lines[0] == "decide vs best (job@3): worse after 40 of 500 problems, stopped early (about 91000 tokens saved)"
+    completed = Decision("completed", "undecided", "job@3", 500, 500, 500, 0.0, -0.05, 0.05)
+    assert logged_verdict_lines(completed.tags(), completed.metrics()) == [
+        "decide vs best (job@3): undecided after 500 of 500 problems"]
+    none = Decision("no_incumbent")
+    assert "nothing earlier" in logged_verdict_lines(none.tags(), none.metrics())[0]
