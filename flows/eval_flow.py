@@ -21,6 +21,7 @@ from prefect.utilities.annotations import unmapped
 
 from evaldag import store
 from evaldag.decide import Decider, Decision, graded_prefix_path
+from evaldag.errors import ConfigError
 from evaldag.runtime.deployments import EVAL_FLOW
 from evaldag.runtime.liveness import revive, watch_for_false_crash
 from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
@@ -81,6 +82,10 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                       decide_alpha=decide_alpha, decide_margin=decide_margin,
                                       decide_rounds=decide_rounds)
                     for name in names]     # every request is checked before anything is resolved
+        if decide and dispatch == "inline":
+            raise ConfigError("decide stops the shards while they generate, which needs them running beside this "
+                              "flow run (dispatch='deployment'); inline shards run inside it one after another. "
+                              "Drop decide or use dispatch='deployment'")
         # inline shards run one after another: more than one only repeats the engine load
         num_gpus = pool_num_gpus() if dispatch == "deployment" else 1
         plan_paths = [resolve_task(request, num_gpus) for request in requests]

@@ -151,6 +151,7 @@ BAD_INPUTS = {   # name: (parameters, what the failure message must say)
     "unknown-benchmark": ({"benchmark": "math5000"}, "unknown benchmark 'math5000'"),
     "misspelt-sampling": ({"sampling": {"max_new_token": 5}}, "max_new_token"),
     "n-without-temperature": ({"sampling": {"n": 4}}, "temperature"),
+    "decide-inline": ({"decide": "vs_best", "dispatch": "inline", "limit": 1}, "needs them running beside"),
 }
 
 
