@@ -119,7 +119,7 @@ class Decision:
     margin: float = 0.02
     tokens_generated: int = 0   # generated for this evaluation until the stop (rows beyond the prefix included: kept)
     tokens_reused: int = 0      # found in the result store when it started (an earlier evaluation's rows)
-    tokens_full_est: int = 0    # the full evaluation's tokens, from the prefix's mean per problem
+    tokens_full_est: int = 0    # the full evaluation's tokens: those that exist, the prefix's mean for the rest
     prefix: list[str] = field(default_factory=list)
 
     @property
@@ -248,15 +248,18 @@ class Decider:
         prefix = self.order[:end]
         d = np.array([self._scores[sid] - self.incumbent[sid] for sid in prefix if sid in self.incumbent])
         v = sequential_verdict(d, self.alpha, self.margin)
-        prefix_tokens = int(rows.filter(pl.col("sample_id").is_in(prefix))
-                            .unique(["sample_id", "sample_index"])["completion_tokens"].sum() or 0)
         keys = ["sample_id", "sample_index", "shard_index"]
         rows = rows.unique(keys)
         generated = int(rows.join(self._reused, on=keys, how="anti")["completion_tokens"].sum() or 0)
         reused = int(rows.join(self._reused, on=keys, how="semi")["completion_tokens"].sum() or 0)
+        # the full evaluation's tokens: those of the samples that exist, and for the others the prefix's mean (a
+        # random sample of the problems, unlike the finished ones)
+        in_prefix = rows.filter(pl.col("sample_id").is_in(prefix))
+        per_sample = float(in_prefix["completion_tokens"].mean() or 0.0) if in_prefix.height else 0.0
+        missing = max(0, len(self.order) * self.plan.sampling.n - rows.height)
         return Decision(status, v.verdict, self.vs, end, len(self.order), int(d.size), v.mean, v.ci_low, v.ci_high,
                         self.alpha, self.margin, generated, reused,
-                        round(prefix_tokens * len(self.order) / max(end, 1)), prefix)
+                        round(generated + reused + per_sample * missing), prefix)
 
     def graded_prefix(self, decision: Decision) -> pl.DataFrame:
         """The graded rows of the decision's prefix, each (sample, index) once."""

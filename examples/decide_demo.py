@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             notifier.notify(path, step)
             run = wait_for_run(step)
             tags, metrics = run["tags"], run["metrics"]
-            print(f"{JOB}@{step}: accuracy {metrics['accuracy']:.3f} over {int(metrics['n_samples'])} problems, "
+            tokens = int(metrics["mean_completion_tokens"] * metrics["n_samples"])
+            print(f"{JOB}@{step}: accuracy {metrics['accuracy']:.3f} over {int(metrics['n_samples'])} problems "
+                  f"({tokens} tokens), "
                   f"{time.monotonic() - started:.0f} s; decide: {tags.get('decide.status')}, "
                   f"{tags.get('decide.verdict')} vs {tags.get('decide.vs') or '-'}, "
                   f"tokens generated {int(metrics.get('decide.tokens_generated', 0))}, "

@@ -90,7 +90,6 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         num_gpus = pool_num_gpus() if dispatch == "deployment" else 1
         plan_paths = [resolve_task(request, num_gpus) for request in requests]
         plans = [load_plan(path) for path in plan_paths]
-        # inline shards run one after another in this process: nothing can read them while they generate
         deciders, decisions = deciders_for(plan_paths, plans) if dispatch == "deployment" else ({}, {})
         # an evaluation an earlier attempt stopped early needs no shard again
         running = [(path, plan) for path, plan in zip(plan_paths, plans)
