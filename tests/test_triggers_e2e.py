@@ -91,8 +91,9 @@ def triggers(live_stack):
 @pytest.mark.postgres
 def test_event_starts_an_evaluation_logged_under_the_job(triggers):
     ckpt = _checkpoint("evt-run", 100)
+    # the trainer also asks for sequential stopping: its event carries it to the evaluation's parameters
     notifier = CheckpointNotifier(train_run="evt-run", api_url=triggers.settings.prefect_api_url,
-                                  benchmarks=["math500"], spool_dir=ROOT.parent / "spool-a")
+                                  benchmarks=["math500"], spool_dir=ROOT.parent / "spool-a", decide={"margin": 0.05})
     t0 = time.time()
     notifier.notify(ckpt, step=100)
     first = _wait_for(lambda: _event_runs(ckpt), timeout=120, every=0.5)[0]
@@ -103,11 +104,13 @@ def test_event_starts_an_evaluation_logged_under_the_job(triggers):
     evaluation = _final_run_for("math500", lambda r: r.parameters.get("train_run") == "evt-run"
                                 and r.parameters.get("step") == 100)
     assert evaluation.state.is_completed(), evaluation.state.message
+    assert (evaluation.parameters["decide"], evaluation.parameters["decide_margin"]) == ("vs_best", 0.05)
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name("math500"))
     [child] = client.search_runs([exp.experiment_id], filter_string="tags.train_run = 'evt-run'")
     assert child.data.tags["step"] == "000000000100" and child.data.metrics["n_samples"] == 2
+    assert child.data.tags["decide.status"] == "no_incumbent"       # the job's first evaluation: run in full
     jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
     [job] = client.search_runs([jobs.experiment_id], filter_string="tags.train_run = 'evt-run'")
     assert child.data.tags["evaldag.parent_run_id"] == job.info.run_id
