@@ -306,13 +306,14 @@ def run(
     from evaldag.runtime import runner
     from evaldag.runtime.stack import Stack
 
+    if not decide and (decide_margin is not None or decide_alpha is not None):
+        raise typer.BadParameter("--decide-margin and --decide-alpha set how --decide decides; add --decide")
     stack = Stack()
     sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
                                     sampling=sampling, train_run=train_run, baseline=baseline,
                                     final_step=final_step, decide="vs_best" if decide else None,
-                                    decide_margin=decide_margin if decide else None,
-                                    decide_alpha=decide_alpha if decide else None).items()
+                                    decide_margin=decide_margin, decide_alpha=decide_alpha).items()
               if v is not None}
     runner.run_and_report(stack, benchmark, params)
 

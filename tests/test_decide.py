@@ -230,3 +230,20 @@ def test_evaldag_run_prints_the_decision_from_the_runs_tags():
         "decide vs best (job@3): undecided after 500 of 500 problems"]
     none = Decision("no_incumbent")
     assert "nothing earlier" in logged_verdict_lines(none.tags(), none.metrics())[0]
+
+
+def test_evaldag_run_decide_options_become_the_flows_parameters(monkeypatch):
+    from typer.testing import CliRunner
+
+    from evaldag.cli import app
+    from evaldag.runtime import runner
+    from evaldag.runtime import stack as stack_module
+
+    sent = []
+    monkeypatch.setattr(stack_module, "Stack", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "run_and_report", lambda stack, benchmark, params: sent.append((benchmark, params)))
+    result = CliRunner().invoke(app, ["run", "gsm8k", "--limit", "20", "--decide", "--decide-margin", "0.05"])
+    assert result.exit_code == 0, result.output
+    assert sent == [("gsm8k", {"limit": 20, "decide": "vs_best", "decide_margin": 0.05})]
+    result = CliRunner().invoke(app, ["run", "gsm8k", "--decide-margin", "0.05"])    # a setting of nothing
+    assert result.exit_code == 2 and "add --decide" in result.output and len(sent) == 1
