@@ -548,3 +548,20 @@ def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setu
     monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
     with pytest.raises(ConfigError, match="splits problems' samples over shards.*vllm"):
         generate_shard(split, 0)
+
+
+def test_a_shards_inputs_are_read_once_per_process(setup, monkeypatch):
+    """A shard process loads its plan for each task (generate, grade) and reads the evaluation's inputs.parquet
+    once: load_plan keeps one plan object per file and process, and the plan keeps its inputs."""
+    from evaldag import plan as plan_module
+    from evaldag.plan import load_plan
+
+    ckpt, _, results = setup
+    path = str(_plan(ckpt, results).path("plan.json"))
+    plan_module._PLANS.clear()                       # as in a fresh shard process: nothing read yet
+    reads = []
+    real = plan_module.read_table
+    monkeypatch.setattr(plan_module, "read_table", lambda p, schema: reads.append(str(p)) or real(p, schema))
+    generate_shard(load_plan(path), 0)
+    grade_shard(load_plan(path), 0)
+    assert reads == [str(load_plan(path).path("inputs.parquet"))]
