@@ -1,4 +1,4 @@
-"""Simulation of adaptive samples (evaldag.adaptive) against fixed n = 32 samples per problem.
+"""Simulation of adaptive samples (evaldag.decisions.adaptive) against fixed n = 32 samples per problem.
 
 Difficulty models (stated, not fitted):
 - AIME-like, 30 problems: 30 % never solved (p = 0), 10 % always solved (p = 1), the rest p ~ Beta with mean 0.45
@@ -33,7 +33,7 @@ import _common  # noqa: F401  (puts the project on sys.path)
 import numpy as np
 import polars as pl
 
-from evaldag.adaptive import AdaptiveSettings, estimate, next_round
+from evaldag.decisions.adaptive import AdaptiveSettings, estimate, next_round
 
 FIXED_N = 32
 ADAPTIVE = {"n0": 4, "floor": 4, "max_per_problem": 64}

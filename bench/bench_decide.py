@@ -1,4 +1,4 @@
-"""Simulation of the sequential verdict (evaldag.sequential) against the fixed-n paired test (evaldag.verdicts).
+"""Simulation of the sequential verdict (evaldag.decisions.sequential) against the fixed-n paired test (evaldag.decisions.verdicts).
 
 Difficulty model (stated, not fitted; it resembles MATH-500's shape): 500 problems in five levels with MATH-500's
 level counts (43, 90, 105, 128, 134). Checkpoint A solves a problem of level L with probability p ~ Beta with mean
@@ -13,7 +13,7 @@ Figures printed (alpha = 0.05, verdict read after every `--round` problems):
  (a) type-I error under continuous monitoring at true difference 0: the fraction of runs where the sequential rule
      ever says better or worse within all 500 problems (must be <= alpha);
  (b) at |difference| = margin: among runs that stopped early (before all problems) with a verdict, agreement with
-     the full evaluation's fixed-n verdict (evaldag.verdicts.paired_test on all 500 problems of the same run); both
+     the full evaluation's fixed-n verdict (evaldag.decisions.verdicts.paired_test on all 500 problems of the same run); both
      the rate over runs where the full evaluation decided, and the strict rate counting a full `undecided` as a
      disagreement;
  (c) at |difference| = 2 x margin: the median fraction of problems evaluated before stopping (goal <= 0.5).
@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
-from evaldag.sequential import stopping_times
-from evaldag.verdicts import paired_test
+from evaldag.decisions.sequential import stopping_times
+from evaldag.decisions.verdicts import paired_test
 
 LEVEL_COUNTS = (43, 90, 105, 128, 134)
 LEVEL_MEANS = (0.85, 0.70, 0.55, 0.40, 0.20)

@@ -4,7 +4,7 @@
           warm-up read, so this measures hashing, not the disk);
 - cached: the same folder again (only stat() calls: the per-file digests come from $EVALDAG_HOME's cache);
 - sha256: the same bytes hashed with hashlib.sha256, for the ratio to a cryptographic hash of the whole content.
-The default model is exported first if it is not (evaldag.models.prepare_alias). The 1 GB folder is written to a
+The default model is exported first if it is not (evaldag.request.checkpoint.prepare_alias). The 1 GB folder is written to a
 temporary directory (random weights, a config and a tokenizer file) and removed afterwards.
 
 Usage: .venv/bin/python bench/bench_fingerprint.py [--gb 1.0] [--repeat 3]
@@ -23,9 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaldag import config, paths  # noqa: E402
-from evaldag.fingerprint import fingerprint, identity_files  # noqa: E402
-from evaldag.models import prepare_alias  # noqa: E402
+from evaldag import paths  # noqa: E402
+from evaldag.request import config
+from evaldag.request.fingerprint import fingerprint, identity_files  # noqa: E402
+from evaldag.request.checkpoint import prepare_alias  # noqa: E402
 
 
 def _sha256_all(folder: Path) -> None:

@@ -53,7 +53,7 @@ def _engine_only(plan) -> float:
 
 def _forget(plan) -> None:
     """Delete the evaluation's stage outputs and folder, so the next run computes everything again."""
-    from evaldag import store
+    from evaldag.pipeline import store
 
     store.remove_tree(store.as_path(plan.stage_dir))
     store.remove_tree(store.as_path(plan.result_dir))
@@ -73,7 +73,7 @@ def main() -> None:
     os.environ.pop("EVALDAG_RESULTS_DIR", None)
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from evaldag.plan import load_plan
+    from evaldag.request.plan import load_plan
     from evaldag.runtime.stack import Stack, StackSettings
 
     prefect_port, mlflow_port = free_ports(2)

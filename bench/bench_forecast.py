@@ -1,4 +1,4 @@
-"""Simulation of the forecast (evaldag.forecast) of a job's accuracy at its planned final step, against a naive
+"""Simulation of the forecast (evaldag.decisions.forecast) of a job's accuracy at its planned final step, against a naive
 "last value" forecast.
 
 Curve model (stated, not fitted): each simulated job's true accuracy follows the sigmoid that evaldag fits,
@@ -27,7 +27,7 @@ import _common  # noqa: F401  (puts the project on sys.path)
 import numpy as np
 import polars as pl
 
-from evaldag.forecast import forecast, sigmoid
+from evaldag.decisions.forecast import forecast, sigmoid
 
 T, EVERY, N = 2000, 100, 500
 Z80 = 1.2816

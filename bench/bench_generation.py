@@ -24,9 +24,9 @@ def main() -> None:
     ap.add_argument("--caches", default="dynamic,static")
     args = ap.parse_args()
 
-    from evaldag.config import SamplingConfig, load_benchmark
-    from evaldag.datasets import load_benchmark_rows
-    from evaldag.models import resolve_model
+    from evaldag.request.config import SamplingConfig, load_benchmark
+    from evaldag.request.datasets import load_benchmark_rows
+    from evaldag.request.checkpoint import resolve_model
 
     prompts = load_benchmark_rows(load_benchmark("math500"), limit=args.prompts).inputs["prompt"].to_list()
     model = resolve_model("smollm2-135m-instruct")

@@ -19,9 +19,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args()
 
-    from evaldag.config import load_benchmark
-    from evaldag.datasets import load_benchmark_rows
-    from evaldag.grading import grade_many
+    from evaldag.request.config import load_benchmark
+    from evaldag.request.datasets import load_benchmark_rows
+    from evaldag.scoring.grading import grade_many
 
     inputs = load_benchmark_rows(load_benchmark("math500")).inputs
     golds = (inputs["gold"].to_list() * (args.items // inputs.height + 1))[:args.items]

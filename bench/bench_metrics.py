@@ -59,9 +59,9 @@ def codex_pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pandas_metrics(df: pd.DataFrame, ks: list[int], n_boot: int = 1000, seed: int = 0) -> dict[str, float]:
-    """The same metrics as evaldag.sampling_metrics.sampling_metrics, written the usual pandas way."""
-    from evaldag.metrics import _slug
-    from evaldag.sampling_metrics import bootstrap_mean_ci
+    """The same metrics as evaldag.scoring.sampling_metrics.sampling_metrics, written the usual pandas way."""
+    from evaldag.scoring.metrics import _slug
+    from evaldag.scoring.sampling_metrics import bootstrap_mean_ci
 
     per = df.groupby("sample_id").agg(n=("correct", "size"), c=("correct", "sum"),
                                       subject=("subject", "first"), level=("level", "first")).sort_index()
@@ -106,7 +106,7 @@ def main() -> None:
     args = ap.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
 
-    from evaldag.sampling_metrics import sampling_metrics
+    from evaldag.scoring.sampling_metrics import sampling_metrics
 
     graded = synthetic(args.problems, args.samples)
     pdf = graded.to_pandas()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from evaldag.trainer import CheckpointNotifier  # noqa: E402
+from evaldag.client import CheckpointNotifier  # noqa: E402
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--blackhole-calls", type=int, default=5)
     ap.add_argument("--timeout-s", type=float, default=0.5, help="CheckpointNotifier timeout_s")
     args = ap.parse_args()
-    logging.getLogger("evaldag.trainer").setLevel(logging.ERROR)      # the down cases warn on every call
+    logging.getLogger("evaldag.client.notifier").setLevel(logging.ERROR)      # the down cases warn on every call
     tmp = Path(tempfile.mkdtemp(prefix="bench-notify-"))
     folder = tmp / "checkpoint-1"
     folder.mkdir()

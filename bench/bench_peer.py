@@ -135,10 +135,10 @@ def run_evaldag(limit: int) -> tuple[float, dict]:
 def run_engine_only(limit: int) -> float:
     """A fresh process: import, load evaldag's default engine, generate the same prompts, close."""
     code = textwrap.dedent(f"""\
-        from evaldag.config import load_benchmark
-        from evaldag.datasets import load_benchmark_rows
+        from evaldag.request.config import load_benchmark
+        from evaldag.request.datasets import load_benchmark_rows
         from evaldag.engines import engine_for, workload
-        from evaldag.models import resolve_model
+        from evaldag.request.checkpoint import resolve_model
         if __name__ == "__main__":
             bench = load_benchmark("math500")
             prompts = load_benchmark_rows(bench, {limit}).inputs["prompt"].to_list()
@@ -172,8 +172,8 @@ def run_event(stack_home: Path | None) -> None:
     from mlflow import MlflowClient
 
     from evaldag import paths
-    from evaldag.checkpoints import allowed_roots_from_env
-    from evaldag.models import resolve_model
+    from evaldag.events.checkpoint_event import allowed_roots_from_env
+    from evaldag.request.checkpoint import resolve_model
     from evaldag.tracking.names import experiment_name
 
     # where the stack's workers accept checkpoints from (evaldag up's default when EVALDAG_CHECKPOINT_ROOTS is unset)
@@ -215,7 +215,7 @@ def run_event(stack_home: Path | None) -> None:
 
 
 def _time_event(tag: str, checkpoint, wait_runs) -> None:
-    from evaldag.trainer import CheckpointNotifier
+    from evaldag.client import CheckpointNotifier
 
     notifier = CheckpointNotifier(train_run=tag, benchmarks=["gsm8k"])
     t0, sent = time.perf_counter(), datetime.now(timezone.utc)
@@ -243,7 +243,7 @@ def main() -> None:
                          "comparison")
     args = ap.parse_args()
 
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
     from evaldag.runtime.runner import point_clients_at_stack
     from evaldag.runtime.stack import Stack, StackSettings
 

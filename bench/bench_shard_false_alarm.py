@@ -2,7 +2,7 @@
 
 Each simulated evaluation has `shards` x `per_shard` problems whose difficulties are drawn from Uniform(0, 1) (real
 benchmarks mix easy and hard problems), n samples per problem, every shard the same model: any firing is a false
-alarm. Prints, per plan, the rate at which evaldag.diagnostics.shard_disagreement fires at alpha, next to alpha: a
+alarm. Prints, per plan, the rate at which evaldag.scoring.diagnostics.shard_disagreement fires at alpha, next to alpha: a
 healthy test fires at about alpha or less. Run it against another checkout with PYTHONPATH to compare versions.
 
 Usage: .venv/bin/python bench/bench_shard_false_alarm.py [--runs 1000] [--n 8] [--alpha 0.01]
@@ -21,7 +21,7 @@ import polars as pl
 if "evaldag" not in sys.modules:
     sys.path.append(str(Path(__file__).resolve().parents[1]))   # appended: a PYTHONPATH checkout wins
 
-from evaldag.diagnostics import shard_disagreement  # noqa: E402
+from evaldag.scoring.diagnostics import shard_disagreement  # noqa: E402
 
 
 def healthy(shards: int, per_shard: int, n: int, seed: int) -> pl.DataFrame:
@@ -44,9 +44,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="samples per problem")
     parser.add_argument("--alpha", type=float, default=0.01)
     args = parser.parse_args()
-    import evaldag.diagnostics as d
+    import evaldag.scoring.diagnostics as d
 
-    print(f"evaldag.diagnostics from {d.__file__}; n={args.n}, alpha={args.alpha}, {args.runs} runs per plan")
+    print(f"evaldag.scoring.diagnostics from {d.__file__}; n={args.n}, alpha={args.alpha}, {args.runs} runs per plan")
     for shards in (2, 4):
         for per_shard in (1, 5, 15):
             t0 = time.perf_counter()

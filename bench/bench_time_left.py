@@ -2,9 +2,9 @@
 
 What it simulates: one slot's continuous-batching engine as in bench/bench_schedule.py (at most `cap` sequences,
 each decode step advances every running one by a token and takes step_s + per_seq_s x c seconds), fed one shard's
-completions in a random order (evaldag.stages submits a shard's requests in a seeded random order, so that the
+completions in a random order (evaldag.pipeline.stages submits a shard's requests in a seeded random order, so that the
 finished ones are a fair sample), a problem's n samples admitted together as vLLM fans them out. Every `--report-s` simulated seconds the shard publishes what
-evaldag.stages does: evaldag.time_left.TimeLeft's forecast from the finished lengths and the running sequences'
+evaldag.pipeline.stages does: evaldag.pipeline.time_left.TimeLeft's forecast from the finished lengths and the running sequences'
 token counts. The truth is the simulated end.
 
 Printed per scenario (mean over seeds, and the worst seed): the largest relative error of the seconds left,
@@ -44,7 +44,7 @@ from bench_schedule import (
     draw_lengths,
 )
 
-from evaldag.time_left import TimeLeft
+from evaldag.pipeline.time_left import TimeLeft
 
 
 def simulate(curve: Curve, lengths: list[int], cap_tokens: int, report_s: float) -> tuple[list[dict], float]:

@@ -25,10 +25,10 @@ def _one(prompts_n: int, max_new_tokens: int, kv_gb: float, fitted: bool) -> dic
     """One setting, in this process: load, generate greedily, close."""
     import hashlib
 
-    from evaldag.config import load_benchmark, merge_sampling
-    from evaldag.datasets import load_benchmark_rows
+    from evaldag.request.config import load_benchmark, merge_sampling
+    from evaldag.request.datasets import load_benchmark_rows
     from evaldag.engines import load_engine, workload
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     bench = load_benchmark("math500")
     prompts = load_benchmark_rows(bench, limit=prompts_n).inputs["prompt"].to_list()

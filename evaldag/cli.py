@@ -272,7 +272,7 @@ def prepare_model(
     alias: Annotated[str, typer.Argument(help="model alias from configs/models")] = "smollm2-135m-instruct",
 ) -> None:
     """Make a model alias ready to load (the default model is exported once from its GGUF); prints its folder."""
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     model = resolve_model(alias)
     typer.echo(f"{model.name}: {model.path} (fingerprint {model.fingerprint[:16]})")
@@ -325,9 +325,9 @@ def flush_events(
     """Send checkpoint events a trainer spooled while the Prefect server was unreachable."""
     from evaldag import paths
     from evaldag.runtime import runner
-    from evaldag.rules import check_train_run
+    from evaldag.request.rules import check_train_run
     from evaldag.runtime.stack import Stack
-    from evaldag.trainer import flush_spool
+    from evaldag.client.notifier import flush_spool
 
     if train_run is not None:
         check_train_run(train_run, typer.BadParameter)   # it names a folder under the spool root
@@ -379,11 +379,11 @@ def compare(
 ) -> None:
     """Checkpoints x benchmarks from MLflow: accuracy, interval, delta to the previous and the best checkpoint;
     each job's forecast at its final step and the jobs falling behind another at the same step
-    (evaldag/forecast.py); with --verdicts, paired verdicts per evaluation (evaldag/verdicts.py)."""
+    (evaldag/decisions/forecast.py); with --verdicts, paired verdicts per evaluation (evaldag/decisions/verdicts.py)."""
     from rich.console import Console
 
     from evaldag.runtime import runner
-    from evaldag.compare import collect, falling_behind, forecasts, render
+    from evaldag.tracking.compare import collect, falling_behind, forecasts, render
     from evaldag.runtime.stack import Stack
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
@@ -400,7 +400,7 @@ def compare(
         if d.fired:
             console.print(f"[red]falling behind[/] on {bench}: {d.explanation}")
     if verdicts:
-        from evaldag import verdicts as paired
+        from evaldag.decisions import verdicts as paired
         from evaldag.tracking.samples import load_samples
 
         pairs = paired.pair_job_evaluations(paired.evaluations(benchmark, train_run), load_samples, margin, alpha,
@@ -408,7 +408,7 @@ def compare(
         console.print(paired.render(pairs) if pairs.height else
                       "no verdicts: each job needs two evaluations with the same comparison key (or a --baseline)")
     if plot is not None:
-        from evaldag.compare import plot as draw
+        from evaldag.tracking.compare import plot as draw
 
         console.print(f"plot written to {draw(df, plot, predicted)}")
 

@@ -20,8 +20,8 @@ def models_dir() -> Path:
 
 
 def results_dir():
-    """The result store's root (see evaldag.store.root): `$EVALDAG_RESULTS_URL`, default `<home>/results`."""
-    from evaldag import store
+    """The result store's root (see evaldag.pipeline.store.root): `$EVALDAG_RESULTS_URL`, default `<home>/results`."""
+    from evaldag.pipeline import store
 
     return store.root()
 

@@ -62,7 +62,7 @@ def write_checkpoints(root: Path) -> list[Path]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     base = Path(resolve_model("smollm2-135m-instruct").path)
     job = root / "checkpoints" / JOB
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = write_checkpoints(root)
     subprocess.run([BIN / "evaldag", "up"], env=env, check=True)
     os.environ.update({"PREFECT_API_URL": "http://127.0.0.1:4300/api", "MLFLOW_TRACKING_URI": "http://127.0.0.1:5100"})
-    from evaldag.trainer import CheckpointNotifier
+    from evaldag.client import CheckpointNotifier
 
     notifier = CheckpointNotifier(JOB, benchmarks=["arith"], decide={"margin": args.margin})
     try:

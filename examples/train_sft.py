@@ -6,15 +6,15 @@ The loop this example closes:
    PREFECT_API_URL points at it.
 2. Run this trainer: `.venv/bin/python examples/train_sft.py --train-run sft-demo`. It fine-tunes the default
    model (SmolLM2-135M-Instruct) on GSM8K train problems, on the CPU, with a plain torch loop.
-3. Every `--save-every-steps` steps (or epochs, or seconds: `evaldag.trainer.EvalTrigger`) it writes a Hugging
+3. Every `--save-every-steps` steps (or epochs, or seconds: `evaldag.client.notifier.EvalTrigger`) it writes a Hugging
    Face checkpoint folder `<output-dir>/checkpoint-<step>` atomically and announces it with
-   `evaldag.trainer.CheckpointNotifier`: one `evaldag.checkpoint.saved` event per checkpoint. The evaluation of
+   `evaldag.client.notifier.CheckpointNotifier`: one `evaldag.checkpoint.saved` event per checkpoint. The evaluation of
    that checkpoint on `--benchmarks` (default gsm8k) then starts by itself; training does not wait for it.
 4. In MLflow, the parent run of the training run shows GSM8K accuracy against the training step.
 
 When the Prefect server is down (or PREFECT_API_URL is unset) training goes on: events are spooled to
 `$EVALDAG_HOME/spool/<train-run>` and re-sent at the next checkpoint, or later with
-`evaldag.trainer.flush_spool(spool_dir, api_url)`.
+`evaldag.client.notifier.flush_spool(spool_dir, api_url)`.
 
 Training, kept readable:
 
@@ -62,8 +62,8 @@ from typing import Any, NamedTuple
 
 from evaldag import paths
 from evaldag.errors import EvalDagError
-from evaldag.rules import check_train_run
-from evaldag.trainer import CheckpointNotifier, EvalTrigger
+from evaldag.request.rules import check_train_run
+from evaldag.client import CheckpointNotifier, EvalTrigger
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 BENCHMARK = "gsm8k"                       # whose prompt instruction the training data uses
@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         trigger = EvalTrigger(freq_steps=args.save_every_steps, freq_epochs=args.save_every_epochs,
                               freq_secs=args.save_every_secs)
-        # final_step: the job's parent MLflow run forecasts the accuracy at the planned end (evaldag.forecast)
+        # final_step: the job's parent MLflow run forecasts the accuracy at the planned end (evaldag.decisions.forecast)
         notifier = CheckpointNotifier(train_run=start.train_run, api_url=args.api_url, benchmarks=args.benchmarks,
                                       spool_dir=paths.home() / "spool" / start.train_run, final_step=args.max_steps,
                                       decide="vs_best" if args.decide else None)
@@ -320,12 +320,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     if notifier.api_url is None:
         print(f"[warn] no Prefect API URL (--api-url or PREFECT_API_URL): checkpoint events are spooled to "
-              f"{notifier.spool_dir}; send them later with evaldag.trainer.flush_spool", flush=True)
+              f"{notifier.spool_dir}; send them later with evaldag.client.notifier.flush_spool", flush=True)
 
     # Heavy imports only once the cheap checks passed.
     import torch
 
-    from evaldag.config import load_benchmark
+    from evaldag.request.config import load_benchmark
 
     base_model, tokenizer, model, optimizer = _load_model(args, start, trigger)
     examples = Examples(start.rows, tokenizer, load_benchmark(BENCHMARK).render_prompt, args.batch_size,
@@ -371,7 +371,7 @@ def _load_model(args: argparse.Namespace, start: _Start, trigger: EvalTrigger) -
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
@@ -488,7 +488,7 @@ def _report_pending(notifier: CheckpointNotifier) -> None:
     pending = notifier.pending()
     if pending:
         print(f"[done] {len(pending)} checkpoint event(s) wait in {notifier.spool_dir}; they go out with the next "
-              f"run's first checkpoint or evaldag.trainer.flush_spool({str(notifier.spool_dir)!r}, api_url)",
+              f"run's first checkpoint or evaldag.client.notifier.flush_spool({str(notifier.spool_dir)!r}, api_url)",
               flush=True)
 
 

@@ -11,11 +11,11 @@ import os
 
 from prefect import flow
 
-from evaldag.checkpoints import allowed_roots_from_env, validate_checkpoint_event
+from evaldag.events.checkpoint_event import allowed_roots_from_env, validate_checkpoint_event
 from evaldag.runtime.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
-from evaldag.rules import check_limit, decide_overrides
-from evaldag.triggers import requested_benchmarks
+from evaldag.request.rules import check_limit, decide_overrides
+from evaldag.events.identity import requested_benchmarks
 from tasks.start_evaluation import start_evaluation
 
 

@@ -19,14 +19,14 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 
-from evaldag import store
-from evaldag.decide import Decider, Decision, graded_prefix_path
+from evaldag.pipeline import store
+from evaldag.decisions.decide import Decider, Decision, graded_prefix_path
 from evaldag.errors import ConfigError
 from evaldag.runtime.deployments import EVAL_FLOW
 from evaldag.runtime.liveness import revive, watch_for_false_crash
-from evaldag.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
-from evaldag.progress import evaluation_progress
-from evaldag.report import headline_table, summary_markdown
+from evaldag.request.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
+from evaldag.pipeline.progress import evaluation_progress
+from evaldag.tracking.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
 from tasks.decide import decide_while_generating, deciders_for, publish
 from tasks.gpu_slots import pool_num_gpus
@@ -67,9 +67,9 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     "inline" runs the shards one after another inside this flow run (no workers needed). `baseline` (a run id,
     checkpoint path, model name or JOB@STEP) adds a paired verdict against that evaluation to each MLflow run, next
     to those against the job's previous and best checkpoints. `final_step` (the job's planned last step) gets the
-    job's parent run a forecast of its accuracy there (evaldag.forecast). `decide="vs_best"` stops generating as
+    job's parent run a forecast of its accuracy there (evaldag.decisions.forecast). `decide="vs_best"` stops generating as
     soon as the paired verdict against the job's best checkpoint so far is decided, at level `decide_alpha` with
-    equivalence margin `decide_margin`, read `decide_rounds` times (evaldag.decide; with dispatch="deployment").
+    equivalence margin `decide_margin`, read `decide_rounds` times (evaldag.decisions.decide; with dispatch="deployment").
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)

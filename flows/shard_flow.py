@@ -1,7 +1,7 @@
 """eval-shard: one shard of each plan of a checkpoint (the benchmarks of one event) on the `gpu` work pool, started
 by the parent's launch-shard task (tasks/launch_shard.py). It holds its GPU slots (tasks/gpu_slots.py) and one
 engine load while it generates every benchmark, then grades them (tasks/shard_stages.py); the work itself is
-evaldag.stages.
+evaldag.pipeline.stages.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from prefect.runtime import flow_run
 
 from evaldag.runtime.deployments import SHARD_FLOW
 from evaldag.engines import keep_loaded
-from evaldag.gpus import shard_gpus
-from evaldag.grading import start_worker_server
+from evaldag.request.gpus import shard_gpus
+from evaldag.scoring.grading import start_worker_server
 from evaldag.runtime.liveness import fence, revive, watch_for_false_crash
-from evaldag.plan import load_plan
-from evaldag.stages import workload
+from evaldag.request.plan import load_plan
+from evaldag.pipeline.stages import workload
 from tasks.gpu_slots import hold_gpus, in_deployment
 from tasks.launch_shard import check_models
 from tasks.shard_stages import generate_task, grade_task
@@ -27,7 +27,7 @@ from tasks.shard_stages import generate_task, grade_task
 def shard_flow(plan_path: str | list[str], shard_index: int) -> str | None | list[str | None]:
     """One shard of each plan (the benchmarks of one checkpoint): one engine load for all of them, every
     completion, then grading; returns the graded file's path (a list of them for a list of plans; None for a plan
-    its parent stopped early, evaldag.decide).
+    its parent stopped early, evaldag.decisions.decide).
 
     Generation (the GPU work) holds tensor_parallel_size slots of the `evaldag-gpus` concurrency limit; grading is
     CPU work and holds none, and runs after the engine is closed, so its memory is free again. Generations already
@@ -56,6 +56,6 @@ def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | None
     # engines close (keep_loaded ends) before the slots go back
     with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(need):
         generated = [generate_task(path, shard_index) for path in paths]
-    # a plan stopped early (evaldag.decide) has nothing to grade here: its parent grades the decided prefix
+    # a plan stopped early (evaldag.decisions.decide) has nothing to grade here: its parent grades the decided prefix
     graded = [grade_task(path, shard_index) if out is not None else None for path, out in zip(paths, generated)]
     return graded[0] if isinstance(plan_path, str) else graded

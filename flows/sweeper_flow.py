@@ -11,10 +11,10 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from evaldag.checkpoints import allowed_roots_from_env, discover_checkpoints
+from evaldag.events.checkpoint_event import allowed_roots_from_env, discover_checkpoints
 from evaldag.runtime.deployments import LATEST_FLOW, SWEEPER_FLOW
 from evaldag.errors import ConfigError
-from evaldag.triggers import evaluated_key, requested_benchmarks, train_run_of
+from evaldag.events.identity import evaluated_key, requested_benchmarks, train_run_of
 from tasks.start_evaluation import start_evaluation
 from tasks.lookup import evaluated_checkpoints
 

@@ -1,4 +1,4 @@
-"""The parent's side of sequential stopping (evaldag.decide): find what to compare with, then, while the shards
+"""The parent's side of sequential stopping (evaldag.decisions.decide): find what to compare with, then, while the shards
 generate, read their chunks and stop them as soon as the verdict is decided."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.futures import PrefectFuture, wait
 
-from evaldag.decide import Decider, Decision, poll_seconds
-from evaldag.plan import EvalPlan, load_plan
-from evaldag.stages import grade_rows
+from evaldag.decisions.decide import Decider, Decision, poll_seconds
+from evaldag.request.plan import EvalPlan, load_plan
+from evaldag.pipeline.stages import grade_rows
 from tasks.retry import retry_transient
 
 

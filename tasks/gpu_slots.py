@@ -1,4 +1,4 @@
-"""The shard's GPU slots on the Prefect server (the pure GPU rules are evaldag.gpus).
+"""The shard's GPU slots on the Prefect server (the pure GPU rules are evaldag.request.gpus).
 
 A shard holds `tensor_parallel_size` slots of the global concurrency limit `evaldag-gpus` while it
 generates, so the `gpu` pool never runs more GPU work than it has GPUs.
@@ -8,7 +8,7 @@ generates, so the `gpu` pool never runs more GPU work than it has GPUs.
 - tp > limit: ConfigError at once (Prefect would answer 422 on every attempt; a shard must never wait forever for
   slots that cannot exist);
 - otherwise the shard waits, as long as it takes, until tp slots are free, and holds them under a lease that a
-  background thread renews; a shard process that dies frees its slots when the lease expires (evaldag.gpus.
+  background thread renews; a shard process that dies frees its slots when the lease expires (evaldag.request.gpus.
   GPU_LEASE_S).
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 
-from evaldag.gpus import GPU_LEASE_S, GPU_LIMIT, check_fits, check_visible_gpus
+from evaldag.request.gpus import GPU_LEASE_S, GPU_LIMIT, check_fits, check_visible_gpus
 
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:

@@ -11,13 +11,13 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from evaldag.decide import stop_requested
+from evaldag.decisions.decide import stop_requested
 from evaldag.runtime.deployments import SHARD_DEPLOYMENT
 from evaldag.errors import CheckpointError
 from evaldag.runtime.liveness import is_lost_run_crash, settled
-from evaldag.models import check_unchanged
-from evaldag.plan import EvalPlan, load_plan
-from evaldag.stages import record_reused, shard_done
+from evaldag.request.checkpoint import check_unchanged
+from evaldag.request.plan import EvalPlan, load_plan
+from evaldag.pipeline.stages import record_reused, shard_done
 
 
 def _relaunchable(task, task_run, state) -> bool:
@@ -36,7 +36,7 @@ def _relaunchable(task, task_run, state) -> bool:
 def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str | None]:
     """Start one shard flow run for shard `shard_index` of every plan that still needs it, wait for it, and return
     the graded file of each plan (in the order of `plan_paths`; None for a plan its parent decided early and
-    stopped, evaldag.decide). The plans are the benchmarks of one checkpoint: the shard run loads the engine once
+    stopped, evaldag.decisions.decide). The plans are the benchmarks of one checkpoint: the shard run loads the engine once
     for all of them."""
     log = get_run_logger()
     plans = [load_plan(p) for p in plan_paths]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prefect import task
 
-from evaldag.plan import load_plan
-from evaldag.stages import reduce_results
+from evaldag.request.plan import load_plan
+from evaldag.pipeline.stages import reduce_results
 
 
 @task(name="reduce", persist_result=True, retries=0)
 def reduce_task(plan_path: str, graded_paths: list[str], only: list[str] | None = None) -> dict:
     """Check one row per (sample, index), compute metrics; returns them. `only`: the problems of an evaluation
-    stopped early (evaldag.decide), when not all of the plan's."""
+    stopped early (evaldag.decisions.decide), when not all of the plan's."""
     return reduce_results(load_plan(plan_path), graded_paths, only)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from evaldag.plan import EvalRequest, resolve
+from evaldag.request.plan import EvalRequest, resolve
 
 
 @task(name="resolve", persist_result=True, retries=0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from evaldag.plan import load_plan
-from evaldag.progress import artifact_progress
-from evaldag.stages import generate_shard, grade_shard
+from evaldag.request.plan import load_plan
+from evaldag.pipeline.progress import artifact_progress
+from evaldag.pipeline.stages import generate_shard, grade_shard
 from tasks.retry import retry_transient
 
 
@@ -18,7 +18,7 @@ from tasks.retry import retry_transient
       retry_condition_fn=retry_transient)
 def generate_task(plan_path: str, shard_index: int) -> str | None:
     """Generate one shard (skipped when its output already exists), its progress published as a Prefect progress
-    artifact; returns the generations file, or None when the parent stopped the evaluation early (evaldag.decide)."""
+    artifact; returns the generations file, or None when the parent stopped the evaluation early (evaldag.decisions.decide)."""
     plan = load_plan(plan_path)
     out = generate_shard(plan, shard_index, artifact_progress(plan.benchmark.name, shard_index))
     return None if out is None else str(out)

@@ -10,7 +10,7 @@ from prefect.deployments import run_deployment
 
 from evaldag.runtime import relaunch
 from evaldag.runtime.deployments import SUITE_DEPLOYMENT, evaluation_deployment
-from evaldag.triggers import evaluation_id
+from evaldag.events.identity import evaluation_id
 
 _PAGE = 200
 
@@ -19,7 +19,7 @@ _PAGE = 200
 def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, train_run: str,
                      overrides: dict | None = None, relaunch_failed: bool = False,
                      include_cancelled: bool = False) -> dict:
-    """run_deployment keyed by the evaluation's identity (evaldag.triggers.evaluation_id: the checkpoint, step,
+    """run_deployment keyed by the evaluation's identity (evaldag.events.identity.evaluation_id: the checkpoint, step,
     benchmarks and every override that changes the result): a duplicate request returns the existing flow run
     instead of starting a second one, a full evaluation after a quick slice starts its own. One benchmark runs as
     eval/<benchmark>; several as one eval/suite run, so every gpu slot loads the checkpoint once for all of them.

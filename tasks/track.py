@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from evaldag.plan import load_plan
+from evaldag.request.plan import load_plan
 from evaldag.tracking.write import TrackedRun, track
 from tasks.retry import retry_transient
 

@@ -23,7 +23,7 @@ os.environ.setdefault("EVALDAG_MODELS_DIR", str(Path.home() / ".evaldag" / "mode
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 # checkpoint events and sweeps may only point here (the stack hands it to its workers)
 os.environ["EVALDAG_CHECKPOINT_ROOTS"] = str(_TMP / "checkpoints")
-# the fault drill's plan (evaldag.faults): absent, so nothing fails, until a test writes it; workers inherit it
+# the fault drill's plan (evaldag.pipeline.faults): absent, so nothing fails, until a test writes it; workers inherit it
 os.environ["EVALDAG_FAULTS_FILE"] = str(_TMP / "faults.json")
 (_TMP / "checkpoints").mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -38,7 +38,7 @@ os.environ["EVALDAG_WORKER_QUERY_SECONDS"] = str(TEST_WORKER_QUERY_S)
 # A lost node's runs are crashed after 2 silent heartbeat periods (60 s) instead of 3 (90 s; test_stack checks it):
 # the netns test waits for that window. Read by stacks started through the CLI (the netns hosts' `evaldag up`).
 os.environ["EVALDAG_MISSED_HEARTBEATS"] = "2"
-# sequential stopping (evaldag.decide): the parent reads the shards' rows every second, 4 requests in flight per
+# sequential stopping (evaldag.decisions.decide): the parent reads the shards' rows every second, 4 requests in flight per
 # shard so that a 24-problem slice finishes in several steps (production: 10 s, the model's batch_size)
 os.environ["EVALDAG_DECIDE_POLL_S"] = "1"
 os.environ["EVALDAG_DECIDE_IN_FLIGHT"] = "4"

@@ -1,4 +1,4 @@
-"""Adaptive samples (evaldag.adaptive, evaldag.twostage): the estimator's unbiasedness and variance against exact
+"""Adaptive samples (evaldag.decisions.adaptive, evaldag.decisions.twostage): the estimator's unbiasedness and variance against exact
 enumeration with scipy's binomial, the prior fit against known parameters, the settings' errors, the allocation's
 bounds on both sides, and a small simulation of bias and coverage with bounds on both sides."""
 
@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 from scipy import integrate, stats
 
-from evaldag import adaptive, twostage
-from evaldag.adaptive import AdaptiveSettings
+from evaldag.decisions import adaptive, twostage
+from evaldag.decisions.adaptive import AdaptiveSettings
 
 
 def _enumerate(a: np.ndarray, b: np.ndarray, n1: list[int], n0: int, p: float) -> tuple[float, float]:

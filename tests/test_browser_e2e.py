@@ -110,7 +110,7 @@ def test_mlflow_and_prefect_uis_show_the_comparison_and_progress(live_stack, eva
     # MLflow: the training-jobs experiment's chart view, straight from the link evaldag prints
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
     page.goto(charts_url(live_stack.mlflow_url, exp.experiment_id))
-    # the job's run keeps one curve per kind of evaluation (evaldag.series): these one-problem, 8-token evaluations
+    # the job's run keeps one curve per kind of evaluation (evaldag.decisions.series): these one-problem, 8-token evaluations
     # are math500.limit1.tok8/accuracy. Other tests of the session log other jobs (aime24 sections may come first
     # and push this chart out of the rendered part of the page), so the chart search narrows the view to it.
     key = "math500.limit1.tok8/accuracy"

@@ -12,11 +12,11 @@ from prefect.states import Failed
 from test_stages import CountingEngine
 
 from evaldag import engines
-from evaldag.checkpoints import validate_checkpoint_event
+from evaldag.events.checkpoint_event import validate_checkpoint_event
 from evaldag.errors import CheckpointError
-from evaldag.models import check_unchanged
-from evaldag.plan import EvalRequest, resolve
-from evaldag.stages import generate_shard
+from evaldag.request.checkpoint import check_unchanged
+from evaldag.request.plan import EvalRequest, resolve
+from evaldag.pipeline.stages import generate_shard
 from tasks.launch_shard import _relaunchable, check_models
 from tasks.retry import retry_transient
 

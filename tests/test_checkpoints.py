@@ -9,7 +9,7 @@ import os
 import pytest
 
 from conftest import complete_checkpoint
-from evaldag.checkpoints import (CheckpointEvent, allowed_roots_from_env, discover_checkpoints, parse_step,
+from evaldag.events.checkpoint_event import (CheckpointEvent, allowed_roots_from_env, discover_checkpoints, parse_step,
                                  validate_checkpoint_event)
 from evaldag.errors import CheckpointError, EvalDagError
 
@@ -215,7 +215,7 @@ def test_discover_checkpoints(root, tmp_path, caplog):
     (root / "checkpoint-700").mkdir()                          # empty
     (root / "step_800").write_text("a file, not a folder")
     (root / "checkpoint-900").symlink_to(_complete(tmp_path / "outside" / "checkpoint-900"))
-    with caplog.at_level(logging.INFO, logger="evaldag.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="evaldag.events.checkpoint_event"):
         found = discover_checkpoints(root)
     assert found == [(100, b), (150, c), (200, a)]
     assert "checkpoint-300" in caplog.text and "has no tokenizer" in caplog.text
@@ -236,7 +236,7 @@ def test_discover_missing_root(tmp_path):
 
 def test_oversized_extra_is_refused(root):
     """`extra` is free-form and untrusted; it travels into flow-run parameters and the database: it is capped."""
-    from evaldag.checkpoints import MAX_EXTRA_BYTES
+    from evaldag.events.checkpoint_event import MAX_EXTRA_BYTES
 
     ckpt = _complete(root / "checkpoint-1200")
     with pytest.raises(CheckpointError, match=r"extra is \d+ bytes of JSON; at most 16384"):

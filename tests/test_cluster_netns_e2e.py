@@ -156,7 +156,7 @@ def test_evaluation_survives_the_loss_of_a_whole_node(cluster, monkeypatch):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
     from evaldag.tracking.names import experiment_name
 
     for key, value in _AUTH_ENV.items():   # this process's Prefect and MLflow clients get in with the auth

@@ -11,7 +11,7 @@ import sys
 import pytest
 from mlflow import MlflowClient
 
-from evaldag import compare
+from evaldag.tracking import compare
 from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
 from evaldag.tracking.write import ensure_experiment, parent_run
 
@@ -89,7 +89,7 @@ def _log_curve_point(client, exp_id: str, job: str, step: int, acc: float, final
 
 
 def test_compare_forecasts_each_job_and_flags_the_one_falling_behind(mlflow_store, tmp_path):
-    from evaldag.forecast import sigmoid
+    from evaldag.decisions.forecast import sigmoid
 
     client = MlflowClient()
     exp_id = ensure_experiment(client, experiment_name("math500"))

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 
-from evaldag import config, paths
+from evaldag import paths
+from evaldag.request import config
 from evaldag.errors import ConfigError
-from evaldag.plan import EvalRequest
+from evaldag.request.plan import EvalRequest
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from conftest import complete_checkpoint
 from evaldag import engines, paths
 from evaldag.engines.base import Completion, EngineBase
 from evaldag.errors import ConfigError
-from evaldag.plan import EvalRequest, resolve
-from evaldag.stages import generate_shard
+from evaldag.request.plan import EvalRequest, resolve
+from evaldag.pipeline.stages import generate_shard
 
 
 def test_the_check_names_the_benchmark_the_count_the_longest_the_window_and_the_fix():
@@ -106,7 +106,7 @@ def test_a_shard_that_overflows_the_window_generates_nothing(tmp_path, configs, 
 def test_the_transformers_engine_refuses_a_shard_past_max_position_embeddings(tmp_path, configs):
     """A real checkpoint whose config states a tiny window (128 positions): the hf engine measures it and the shard
     fails before generating, where transformers would otherwise run past the positions the model knows."""
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     source = resolve_model("smollm2-135m-instruct").path
     ckpt = tmp_path / "tiny-window"

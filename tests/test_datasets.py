@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from evaldag.config import load_benchmark
-from evaldag.datasets import load_benchmark_rows
+from evaldag.request.config import load_benchmark
+from evaldag.request.datasets import load_benchmark_rows
 from evaldag.errors import DatasetError
-from evaldag.grading import grade_many
+from evaldag.scoring.grading import grade_many
 
 EXPECTED_ROWS = {"math500": 500, "aime24": 30, "gsm8k": 1319, "amc23": 40}
 

@@ -1,4 +1,4 @@
-"""Sequential stopping without a server (evaldag.decide): the decision order, the prefix the parent reads, the
+"""Sequential stopping without a server (evaldag.decisions.decide): the decision order, the prefix the parent reads, the
 stop a shard obeys, the rows a later full evaluation reuses, and the reduce of a stopped evaluation. The real run
 through the stack is tests/test_decide_e2e.py."""
 
@@ -10,13 +10,14 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evaldag import decide, stages
-from evaldag.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
+from evaldag.decisions import decide
+from evaldag.pipeline import stages
+from evaldag.decisions.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
 from evaldag.errors import ConfigError
-from evaldag.plan import EvalRequest, resolve
-from evaldag.schema import GENERATION_SCHEMA, write_table
-from evaldag.sequential import sequential_verdict
-from evaldag.stages import generate_shard, reduce_results
+from evaldag.request.plan import EvalRequest, resolve
+from evaldag.pipeline.schema import GENERATION_SCHEMA, write_table
+from evaldag.decisions.sequential import sequential_verdict
+from evaldag.pipeline.stages import generate_shard, reduce_results
 import test_stages
 from test_stages import StreamingEngine
 
@@ -183,7 +184,7 @@ def test_an_undecided_evaluation_runs_to_the_end(setup):
 # ---- asked for by the trainer: CheckpointNotifier(decide=...) -> the event -> the evaluation's parameters -------
 
 def test_check_decide_normalises_and_names_what_is_wrong():
-    from evaldag.rules import check_decide, decide_overrides
+    from evaldag.request.rules import check_decide, decide_overrides
 
     assert check_decide(None) is None
     full = check_decide("vs_best")
@@ -200,9 +201,9 @@ def test_check_decide_normalises_and_names_what_is_wrong():
 
 def test_the_trainers_decide_travels_with_the_event_and_is_checked_on_arrival(tmp_path, monkeypatch):
     from conftest import complete_checkpoint
-    from evaldag.checkpoints import validate_checkpoint_event
+    from evaldag.events.checkpoint_event import validate_checkpoint_event
     from evaldag.errors import CheckpointError
-    from evaldag.trainer import CheckpointNotifier
+    from evaldag.client import CheckpointNotifier
 
     ckpt = complete_checkpoint(tmp_path / "run" / "checkpoint-100")
     notifier = CheckpointNotifier("run", api_url="http://127.0.0.1:9", spool_dir=tmp_path / "spool",
@@ -220,7 +221,7 @@ def test_the_trainers_decide_travels_with_the_event_and_is_checked_on_arrival(tm
 
 
 def test_evaldag_run_prints_the_decision_from_the_runs_tags():
-    from evaldag.verdicts import logged_verdict_lines
+    from evaldag.decisions.verdicts import logged_verdict_lines
 
     stopped = Decision("stopped", "worse", "job@3", 40, 500, 40, -0.3, -0.5, -0.1, 0.05, 0.02, 9000, 0, 100000)
     lines = logged_verdict_lines(stopped.tags(), stopped.metrics())

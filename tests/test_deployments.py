@@ -7,7 +7,7 @@ import importlib
 import yaml
 
 from evaldag.runtime import deployments as d
-from evaldag.config import available
+from evaldag.request.config import available
 
 
 def _manifest() -> list[dict]:

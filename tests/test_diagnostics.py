@@ -6,7 +6,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evaldag.diagnostics import (Diagnostic, accuracy_reward_divergence, reward_fluctuation,
+from evaldag.scoring.diagnostics import (Diagnostic, accuracy_reward_divergence, reward_fluctuation,
                                  shard_disagreement, to_markdown, to_tags)
 
 
@@ -208,7 +208,7 @@ def test_divergence_quiet_when_standard_errors_are_understated():
 
 
 def _split(shards: int, problems: int, n: int, seed: int, broken: int | None = None) -> pl.DataFrame:
-    """A healthy evaluation whose plan split every problem's n samples over the shards (evaldag.plan.
+    """A healthy evaluation whose plan split every problem's n samples over the shards (evaldag.request.plan.
     plan_split_shards: sample k of problem i on shard (i + k * shards // n) mod shards); `broken`: that shard's
     correct samples are kept with probability 0.5 only."""
     rng = np.random.default_rng(seed)

@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterNam
 from prefect.deployments import run_deployment
 
 from cluster_helpers import children, progress_artifacts
-from evaldag.schema import GRADE_STATUSES
+from evaldag.pipeline.schema import GRADE_STATUSES
 from evaldag.tracking.names import experiment_name
 from evaldag.tracking.samples import load_samples
 
@@ -116,7 +116,7 @@ def test_deployment_run_cli_end_to_end(live_stack):
 @pytest.mark.postgres
 def test_checkpoint_folder_and_idempotent_tracking(live_stack):
     """A plain checkpoint folder evaluates at its step; the same request again reuses results and the MLflow run."""
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct").path     # the exported default model, as a plain HF folder
     params = {"checkpoint": folder, "step": 1200, "limit": 2, "num_shards": 1, "sampling": TINY}
@@ -205,8 +205,8 @@ def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):
     # its stored outputs lost (moved aside): computed again, and the figures printed are said to be this run's
     import shutil
 
-    from evaldag import store
-    from evaldag.plan import load_plan
+    from evaldag.pipeline import store
+    from evaldag.request.plan import load_plan
 
     run_id = out.split("/runs/")[-1].split("?")[0]
     eval_key = MlflowClient().get_run(run_id).data.tags["eval_key"]
@@ -230,7 +230,7 @@ def perturbed_reference(tmp_path_factory) -> Path:
     reference's logits are the policy's times 0.7 (the policy at temperature ~1.4). Same tokenizer, new weights."""
     from safetensors.torch import load_file, save_file
 
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     src = Path(resolve_model("smollm2-135m-instruct").path)
     dst = tmp_path_factory.mktemp("reference")
@@ -249,10 +249,10 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     and the logged estimates are exactly what the scored log-probs of both models give."""
     import numpy as np
 
-    from evaldag import store
-    from evaldag.models import resolve_model
-    from evaldag.plan import load_plan
-    from evaldag.schema import GENERATION_SCHEMA, LOGPROB_SCHEMA, read_table
+    from evaldag.pipeline import store
+    from evaldag.request.checkpoint import resolve_model
+    from evaldag.request.plan import load_plan
+    from evaldag.pipeline.schema import GENERATION_SCHEMA, LOGPROB_SCHEMA, read_table
 
     params = {"limit": 3, "num_shards": 1, "step": 55, "train_run": "kl-check",
               "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 1},
@@ -294,7 +294,7 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
                                   ref=perturbed_reference, dtype=plan.resolved_model.dtype)
     r = ref - logp
     # the logged estimates follow from these log-probs by the textbook formulas (Schulman's k1 = -r, k2 = r^2 / 2,
-    # k3 = e^r - 1 - r per token, r = log p_ref - log p), computed here with numpy, not with evaldag.kl
+    # k3 = e^r - 1 - r per token, r = log p_ref - log p), computed here with numpy, not with evaldag.scoring.kl
     assert m["kl/k1/token_mean"] == pytest.approx(np.mean(-r), rel=1e-6)
     assert m["kl/k2/token_mean"] == pytest.approx(np.mean(r * r / 2), rel=1e-6)
     assert m["kl/k3/token_mean"] == pytest.approx(np.mean(np.expm1(r) - r), rel=1e-6)

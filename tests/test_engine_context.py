@@ -9,11 +9,11 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from evaldag import engines
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 from evaldag.engines import Workload
 from evaldag.engines.vllm_args import ModelShape, fit_to_workload, fitted_kv_bytes, fitted_max_model_len, model_shape
 from evaldag.errors import ConfigError
-from evaldag.models import resolve_model
+from evaldag.request.checkpoint import resolve_model
 
 MiB, GiB = 2**20, 2**30
 

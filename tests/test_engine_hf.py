@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 from evaldag.engines import load_engine
 from evaldag.errors import ConfigError
-from evaldag.models import resolve_model
+from evaldag.request.checkpoint import resolve_model
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from evaldag.models import validate_checkpoint
+from evaldag.request.checkpoint import validate_checkpoint
 from fake_events import FakeEventsServer
 
 _SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "train_sft.py"
@@ -174,8 +174,8 @@ def test_solution_format_matches_the_graded_answer():
 def test_prompt_is_masked_and_answer_is_learnt():    # the model's tokenizer only: no `model` mark
     from transformers import AutoTokenizer
 
-    from evaldag.config import load_benchmark
-    from evaldag.models import resolve_model
+    from evaldag.request.config import load_benchmark
+    from evaldag.request.checkpoint import resolve_model
 
     tok = AutoTokenizer.from_pretrained(resolve_model(MODEL).path)
     render = load_benchmark("gsm8k").render_prompt

@@ -123,10 +123,10 @@ def test_shard_killed_mid_generation_resumes_with_exact_rows(live_stack):
     missing batches, and the evaluation ends with exactly one row per (problem, sample).
 
     Two GPU slots, as on a node with a second GPU free: the relaunch starts at once. On a one-GPU node it waits for
-    the killed run's slot lease to expire (evaldag.gpus.GPU_LEASE_S, 60 s, Prefect's minimum: nothing else can
+    the killed run's slot lease to expire (evaldag.request.gpus.GPU_LEASE_S, 60 s, Prefect's minimum: nothing else can
     release it, since Prefect's API does not list a limit's holders), 0-60 s by chance, which made this test's time
     vary from 65 to 136 s without proving anything more."""
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
     from evaldag.tracking.samples import load_samples
 
     # a plain folder: batch size 32 -> 4 prompts x n=8. GSM8K: its first 8 prompts are 74-158 tokens, where
@@ -171,7 +171,7 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     from prefect.states import Crashed
 
     from evaldag.runtime.cluster import MIN_HEARTBEAT_S, crash_automation
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
     from evaldag.tracking.samples import load_samples
 
     # a plain folder: batch size 32 -> 4 prompts x n=8. GSM8K: its first 8 prompts are 74-158 tokens, where
@@ -216,8 +216,8 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     with the same samples and the same metrics as a clean run of the same request, logged to one MLflow run."""
     import polars as pl
 
-    from evaldag import store
-    from evaldag.models import resolve_model
+    from evaldag.pipeline import store
+    from evaldag.request.checkpoint import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch 32 -> 4 prompts x n=8
     params = {"checkpoint": folder, "limit": 8, "num_shards": 1, "step": 99, "train_run": "fault-drill",
@@ -310,8 +310,8 @@ def test_identical_evaluations_started_together_compute_once(live_stack):
 
     The test holds the generation's lock itself until both shard processes are waiting on it, so they really meet
     there (on timing alone the second shard could start after the first had finished, and prove nothing)."""
-    from evaldag import store
-    from evaldag.plan import EvalRequest, resolve
+    from evaldag.pipeline import store
+    from evaldag.request.plan import EvalRequest, resolve
 
     params = {"limit": 4, "num_shards": 1, "step": 31, "train_run": "twins", "sampling": {"max_new_tokens": 16}}
     plan = resolve(EvalRequest.parse(benchmark="gsm8k", **params))    # the plan both parents will resolve

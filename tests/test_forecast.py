@@ -1,4 +1,4 @@
-"""evaldag.forecast: the sigmoid fit against independent computations (closed forms, finite differences, scipy's
+"""evaldag.decisions.forecast: the sigmoid fit against independent computations (closed forms, finite differences, scipy's
 curve_fit on its own copy of the model), the refusals, and simulations with lower and upper bounds: the 80 % band's
 coverage, its width, and the falling-behind check's false alarms and power."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evaldag.forecast import (
+from evaldag.decisions.forecast import (
     MAX_EXTRAPOLATION,
     MIN_POINTS,
     _model,
@@ -26,7 +26,7 @@ N = 500   # problems of the simulated benchmark (MATH-500's size), one sample ea
 
 
 def _curve(A, R0, s_mid, B, s):
-    """The model written out again, independently of evaldag.forecast."""
+    """The model written out again, independently of evaldag.decisions.forecast."""
     s = np.asarray(s, dtype=float)
     return A - (A - R0) / (1.0 + (s / s_mid) ** B)
 

@@ -1,7 +1,7 @@
 """The forecast and the falling-behind check as the track stage logs them, against a real MLflow tracking store
 (SQLite, no server): the job's parent run gets the forecast at the planned final step once enough checkpoints are
 evaluated, and a job far below another at the same step is flagged on its evaluation's run. Metrics are made up
-(tracking logs what it is given); the curve is evaldag.forecast's own model."""
+(tracking logs what it is given); the curve is evaldag.decisions.forecast's own model."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def mlflow_store(tmp_path, monkeypatch):
 
 
 def _track(tmp_path, job: str, step: int, accuracy: float, final_step: int | None):
-    from evaldag.plan import EvalRequest, resolve
+    from evaldag.request.plan import EvalRequest, resolve
     from evaldag.tracking.write import track
 
     ckpt = complete_checkpoint(tmp_path / "ckpts" / job / f"checkpoint-{step}")
@@ -35,7 +35,7 @@ def _track(tmp_path, job: str, step: int, accuracy: float, final_step: int | Non
 def test_parent_run_gets_the_forecast_and_a_lagging_job_is_flagged(mlflow_store):
     from mlflow import MlflowClient
 
-    from evaldag.forecast import sigmoid
+    from evaldag.decisions.forecast import sigmoid
     from evaldag.tracking.names import FINAL_STEP_TAG, JOBS_EXPERIMENT
 
     steps = [100, 200, 300, 400, 500]

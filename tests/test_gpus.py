@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from evaldag import gpus
+from evaldag.request import gpus
 from evaldag.cli import app
 from evaldag.errors import ConfigError, StackError
-from evaldag.gpus import (
+from evaldag.request.gpus import (
     GPU_LIMIT,
     assign_gpus,
     check_fits,
@@ -22,7 +22,7 @@ from evaldag.gpus import (
     parse_gpu_ids,
     shard_gpus,
 )
-from evaldag.models import ResolvedModel
+from evaldag.request.checkpoint import ResolvedModel
 from evaldag.runtime.stack import CPU_WORKER, Stack, StackSettings
 
 

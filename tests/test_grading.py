@@ -1,4 +1,4 @@
-"""Tests for evaldag.grading: gold normalisation, the case table, hard timeouts, order, and the table schema.
+"""Tests for evaldag.scoring.grading: gold normalisation, the case table, hard timeouts, order, and the table schema.
 
 The expected statuses in tests/cases/grading_cases.json were checked by running math-verify 0.9 and by reading each
 case; cases where math-verify disagrees with a human are kept apart ("known_misgrades") and run as strict xfails, so
@@ -15,15 +15,15 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from evaldag.grading import (
+from evaldag.scoring.grading import (
     GRADER_VERSION,
     Grade,
     grade_many,
     grade_one,
     grade_table,
 )
-from evaldag.gold import normalize_gold
-from evaldag.schema import GENERATION_SCHEMA, GRADE_STATUSES, GRADED_SCHEMA
+from evaldag.scoring.gold import normalize_gold
+from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADE_STATUSES, GRADED_SCHEMA
 
 CASES_FILE = Path(__file__).parent / "cases" / "grading_cases.json"
 CASES = json.loads(CASES_FILE.read_text())
@@ -223,8 +223,8 @@ def test_grade_table_conforms_to_graded_schema() -> None:
 def test_strip_thinking_reads_the_answer_after_the_reasoning():
     import polars as pl
 
-    from evaldag.grading import strip_thinking
-    from evaldag.schema import GENERATION_SCHEMA
+    from evaldag.scoring.grading import strip_thinking
+    from evaldag.pipeline.schema import GENERATION_SCHEMA
 
     assert strip_thinking("<think>maybe 7?</think> The answer is $\\boxed{5}$") == "The answer is $\\boxed{5}$"
     assert strip_thinking("<think>still thinking, 7") == ""
@@ -242,7 +242,7 @@ def test_strip_thinking_reads_the_answer_after_the_reasoning():
 _START_SERVER = """
 import time
 import psutil
-from evaldag.grading import grade_many, start_worker_server
+from evaldag.scoring.grading import grade_many, start_worker_server
 
 def forkservers():
     return [p for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())]

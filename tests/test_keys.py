@@ -1,5 +1,5 @@
 """Keys follow what decides the result (issue 22 item 8): one list of settings that do not change results
-(evaldag.keys.NOT_RESULT_SETTINGS), each entry tested to keep every key, and each result-changing setting tested
+(evaldag.request.keys.NOT_RESULT_SETTINGS), each entry tested to keep every key, and each result-changing setting tested
 to move them: the plan's keys, the settings key the sweeper compares, and the trigger's evaluation_id."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 from test_plan import KeyWorld
 
 from evaldag.engines.dtype import DEFAULT_DTYPE_ENV
-from evaldag.keys import NOT_RESULT_SETTINGS
-from evaldag.plan import EvalRequest, resolve
-from evaldag.series import comparison_key
-from evaldag.triggers import (
+from evaldag.request.keys import NOT_RESULT_SETTINGS
+from evaldag.request.plan import EvalRequest, resolve
+from evaldag.decisions.series import comparison_key
+from evaldag.events.identity import (
     IDENTITY,
     evaluated_key,
     evaluation_id,

@@ -8,7 +8,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evaldag.kl import kl_metrics, per_sample_kl, token_kl_terms
+from evaldag.scoring.kl import kl_metrics, per_sample_kl, token_kl_terms
 
 
 def test_hand_values():
@@ -79,7 +79,7 @@ def _greedy_two_token_case(tokens: int = 50) -> tuple[pl.DataFrame, float]:
 
 
 def test_greedy_decoding_reports_the_exact_kl_not_the_sampling_estimators():
-    from evaldag.config import SamplingConfig
+    from evaldag.request.config import SamplingConfig
 
     df, exact = _greedy_two_token_case()
     m = kl_metrics(df, sampling=SamplingConfig())                      # greedy: every benchmark's default
@@ -94,7 +94,7 @@ def test_greedy_decoding_reports_the_exact_kl_not_the_sampling_estimators():
 
 
 def test_sampling_at_temperature_one_reports_both_and_they_agree():
-    from evaldag.config import SamplingConfig
+    from evaldag.request.config import SamplingConfig
 
     p, q = np.array([0.6, 0.3, 0.1]), np.array([0.3, 0.4, 0.3])
     exact = float(np.sum(p * np.log(p / q)))
@@ -107,7 +107,7 @@ def test_sampling_at_temperature_one_reports_both_and_they_agree():
 
 
 def test_without_exact_kl_non_policy_sampling_is_refused():
-    from evaldag.config import SamplingConfig
+    from evaldag.request.config import SamplingConfig
 
     df, _ = _greedy_two_token_case()
     with pytest.raises(ValueError, match="temperature 1"):

@@ -7,8 +7,8 @@ import math
 import polars as pl
 import pytest
 
-from evaldag.metrics import check_complete, system_metrics, task_metrics
-from evaldag.schema import GRADED_SCHEMA
+from evaldag.scoring.metrics import check_complete, system_metrics, task_metrics
+from evaldag.pipeline.schema import GRADED_SCHEMA
 
 
 def _table(rows: list[dict]) -> pl.DataFrame:

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import complete_checkpoint
 from evaldag.errors import CheckpointError
-from evaldag.models import fingerprint, resolve_model, validate_checkpoint
+from evaldag.request.checkpoint import fingerprint, resolve_model, validate_checkpoint
 
 
 _complete = complete_checkpoint
@@ -144,7 +144,7 @@ def test_fingerprint_follows_the_weight_index(tmp_path):
 def test_fingerprint_hashes_each_file_once_until_it_changes(tmp_path, monkeypatch):
     """File hashes are cached by file identity in $EVALDAG_HOME: a second fingerprint reads no weights, a rewritten
     file (same size, new bytes) is read again."""
-    from evaldag import fingerprint as fpmod
+    from evaldag.request import fingerprint as fpmod
 
     monkeypatch.setenv("EVALDAG_HOME", str(tmp_path / "home"))
     folder = _complete(tmp_path / "ckpt")

@@ -14,12 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from conftest import free_ports
 
-from evaldag.config import ModelConfig, SamplingConfig
+from evaldag.request.config import ModelConfig, SamplingConfig
 from evaldag.engines import load_engine
 from evaldag.engines.openai import (ServerError, ServerSettings, ServerUnavailableError, server_fingerprint,
                                     validate_engine_args)
 from evaldag.errors import CheckpointError, ConfigError
-from evaldag.models import ResolvedModel, with_engine
+from evaldag.request.checkpoint import ResolvedModel, with_engine
 
 OK_ARGS = {"base_url": "http://127.0.0.1:8000/v1", "model": "m"}
 
@@ -248,7 +248,7 @@ def _served_plan(tmp_path, monkeypatch, url: str, max_new_tokens: int):
     import shutil
 
     from evaldag import paths
-    from evaldag.plan import EvalRequest, resolve
+    from evaldag.request.plan import EvalRequest, resolve
 
     configs = tmp_path / "configs"
     shutil.copytree(paths.REPO_ROOT / "configs", configs, dirs_exist_ok=True)
@@ -264,7 +264,7 @@ def test_a_shard_past_the_servers_window_is_refused_before_any_completion_reques
     """A vLLM server reports its window in /models and counts a chat prompt's tokens at /tokenize: a shard whose
     prompt + max_new_tokens do not fit fails before its first chat request, with the local engines' message (the
     server would otherwise cut the completion where its context ends, or refuse it, mid-shard)."""
-    from evaldag.stages import generate_shard
+    from evaldag.pipeline.stages import generate_shard
 
     models = (200, {"data": [{"id": "served-a", "owned_by": "vllm", "max_model_len": 1024}]})
     srv = scripted({"/v1/models": [models], "/tokenize": [(200, {"count": 1000, "max_model_len": 1024,

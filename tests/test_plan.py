@@ -8,8 +8,8 @@ import pytest
 from evaldag.engines import DEFAULT_ENGINE_ENV, default_engine
 from evaldag.engines.dtype import DEFAULT_DTYPE_ENV
 from evaldag.errors import ConfigError
-from evaldag.models import resolve_model
-from evaldag.plan import (MIN_SEQUENCES_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, plan_split_shards,
+from evaldag.request.checkpoint import resolve_model
+from evaldag.request.plan import (MIN_SEQUENCES_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, plan_split_shards,
                           resolve, shard_count)
 
 
@@ -150,7 +150,7 @@ import yaml  # noqa: E402
 
 from conftest import complete_checkpoint  # noqa: E402
 from evaldag import paths  # noqa: E402
-from evaldag import plan as planmod  # noqa: E402
+from evaldag.request import plan as planmod  # noqa: E402
 
 GEN, GRADE, EVAL = "generation_key", "grade_key", "eval_key"
 ALL, GRADING, EVAL_ONLY, NOTHING = {GEN, GRADE, EVAL}, {GRADE, EVAL}, {EVAL}, set()
@@ -203,7 +203,8 @@ def _sampling(w, **field):
 
 
 def _set_gold(w):
-    from evaldag import datasets, gold
+    from evaldag.request import datasets
+    from evaldag.scoring import gold
 
     real = gold.normalize_gold
     w.monkeypatch.setattr(datasets, "normalize_gold", lambda raw, fmt: "0" if raw == "204" else real(raw, fmt))
@@ -297,8 +298,8 @@ def test_benchmark_pass_k_above_n_is_skipped_like_the_metrics_do(tmp_path, monke
 def test_a_plan_is_read_once_per_process_and_again_when_rewritten(tmp_path, monkeypatch):
     """load_plan keeps what it read (plans never change once written), keyed by the file's identity: a plan
     written again at the same path (same eval_key, another MLflow parent run) is read again."""
-    from evaldag.models import ResolvedModel
-    from evaldag.plan import EvalPlan, load_plan
+    from evaldag.request.checkpoint import ResolvedModel
+    from evaldag.request.plan import EvalPlan, load_plan
 
     world = KeyWorld(tmp_path, monkeypatch)
     plan = resolve(EvalRequest(**world.request), world.results)

@@ -7,9 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
-from evaldag import progress
-from evaldag.progress import progress_key
-from evaldag.progress import ShardProgress
+from evaldag.pipeline import progress
+from evaldag.pipeline.progress import progress_key
+from evaldag.pipeline.progress import ShardProgress
 
 
 def test_description_round_trips_and_other_text_is_ignored():
@@ -137,7 +137,7 @@ def test_a_plan_that_splits_samples_counts_requests_not_problems():
 
 
 def test_the_plan_says_what_its_progress_counts():
-    from evaldag.plan import EvalPlan
+    from evaldag.request.plan import EvalPlan
 
     assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": None})()) == "problems"
     assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": [[(0, 4)]]})()) == "requests"

@@ -20,7 +20,7 @@ from prefect import flow
 from prefect.states import Cancelled, Cancelling, Completed, Crashed, Failed, Paused, Pending, Running, Scheduled
 
 from evaldag.runtime import relaunch
-from evaldag.triggers import evaluation_id
+from evaldag.events.identity import evaluation_id
 
 KEY = "evaldag-eval:run:10:math500:abcd:ef01"
 _T0 = datetime(2026, 1, 1, tzinfo=UTC)

@@ -7,8 +7,8 @@ import polars as pl
 import pydantic
 import pytest
 
-from evaldag import rewards
-from evaldag.rewards import (RewardSpec, combined_reward, get_reward, register_reward, reward_metrics,
+from evaldag.scoring import rewards
+from evaldag.scoring.rewards import (RewardSpec, combined_reward, get_reward, register_reward, reward_metrics,
                              reward_names)
 
 TABLE = pl.DataFrame({

@@ -1,11 +1,11 @@
-"""The shared input rules (evaldag.rules): one definition, the same answer wherever they are applied."""
+"""The shared input rules (evaldag.request.rules): one definition, the same answer wherever they are applied."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
-from evaldag import rules
+from evaldag.request import rules
 from evaldag.errors import CheckpointError
 
 

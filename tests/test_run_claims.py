@@ -1,4 +1,4 @@
-"""evaldag.run_claims without a server: how a claim reads MLflow's errors about the claimed run. Only MLflow's own
+"""evaldag.tracking.run_claims without a server: how a claim reads MLflow's errors about the claimed run. Only MLflow's own
 "does not exist" answer lets a claim move to its next generation (which makes a second run of the key); a 503, a
 timeout or a restarting server is retried, then raised, never read as "deleted". The same against a real MLflow
 server, and the writer's lease kept through long uploads, are in test_tracking.py."""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from evaldag import run_claims
+from evaldag.tracking import run_claims
 
 
 def _mlflow_error(kind: str):

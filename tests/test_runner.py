@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import polars as pl
 
-from evaldag.metrics import MEASUREMENT_KEYS, system_metrics
+from evaldag.scoring.metrics import MEASUREMENT_KEYS, system_metrics
 from evaldag.runtime.runner import provenance
-from evaldag.stages import _STAT_COLUMNS
+from evaldag.pipeline.stages import _STAT_COLUMNS
 from evaldag.tracking.write import differing_results
 
 LOGGED = {"accuracy": 0.25, "pass_at_4": 0.5, "generation_s": 100.0, "cache_hit_rate": 0.0, "step": 3.0}

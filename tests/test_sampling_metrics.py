@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from evaldag.sampling_metrics import (assign_answer_groups, avg_at_n, bootstrap_ci, bootstrap_mean_ci,
+from evaldag.scoring.sampling_metrics import (assign_answer_groups, avg_at_n, bootstrap_ci, bootstrap_mean_ci,
                                       maj_at_k, math_equivalent, pass_at_k, pass_at_k_table,
                                       per_problem_maj_at_k, per_problem_pass_at_k, sampling_metrics,
                                       wilson_interval)

@@ -34,7 +34,7 @@ def _restart(stack, component: str) -> float:
 def test_prefect_then_mlflow_restart_while_a_shard_generates(live_stack):
     from prefect.deployments import run_deployment
 
-    from evaldag.models import resolve_model
+    from evaldag.request.checkpoint import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch size 32 -> 4 prompts x n=8
     generations = NewGenerations(live_stack)

@@ -26,7 +26,7 @@ from cluster_helpers import alive
 from conftest import TEST_WORKER_QUERY_S, free_ports
 from evaldag.cli import app
 from evaldag.errors import ConfigError, StackError
-from evaldag.gpus import GPU_LIMIT
+from evaldag.request.gpus import GPU_LIMIT
 from evaldag.runtime import cluster
 from evaldag.runtime.stack import (CPU_WORKER, MLFLOW_SERVER, PREFECT_SERVER, STACK_ID_ENV, Stack, StackSettings)
 

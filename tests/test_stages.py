@@ -12,10 +12,11 @@ import time
 import pytest
 
 from conftest import complete_checkpoint
-from evaldag import engines, paths, stages
+from evaldag import engines, paths
+from evaldag.pipeline import stages
 from evaldag.engines.base import Completion, EngineBase
-from evaldag.plan import EvalRequest, resolve
-from evaldag.stages import generate_shard, grade_shard
+from evaldag.request.plan import EvalRequest, resolve
+from evaldag.pipeline.stages import generate_shard, grade_shard
 
 
 class CountingEngine(EngineBase):
@@ -125,7 +126,8 @@ def test_regrading_uses_the_current_gold_not_the_copy_in_the_generations(setup, 
     shard is regraded against the new gold, never against the gold frozen into the cached generations."""
     import polars as pl
 
-    from evaldag import datasets, gold
+    from evaldag.request import datasets
+    from evaldag.scoring import gold
 
     ckpt, _, results = setup
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
@@ -160,8 +162,8 @@ def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
     again (and only those), and a finished-looking shard with timeouts is not skipped."""
     import polars as pl
 
-    from evaldag import grading
-    from evaldag.stages import shard_done
+    from evaldag.scoring import grading
+    from evaldag.pipeline.stages import shard_done
 
     ckpt, _, results = setup
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
@@ -201,7 +203,7 @@ def test_answer_grouping_is_bounded_like_grading(setup, monkeypatch):
     timeout (and counted as two different answers) instead of hanging the grade stage."""
     import polars as pl
 
-    from evaldag import grading
+    from evaldag.scoring import grading
 
     ckpt, configs, results = setup
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: TwoPowersEngine())
@@ -458,7 +460,7 @@ def test_requests_are_submitted_in_a_seeded_random_order(streaming):
     """The engine gets the shard's requests shuffled (the forecast of the end needs an order unrelated to length;
     the plan's is longest prompt first), the same shuffle every time: the evaluation's decision order, all at once
     (no in-flight limit unless the evaluation may stop early)."""
-    from evaldag.decide import decision_order
+    from evaldag.decisions.decide import decision_order
 
     ckpt, _, results = streaming
     StreamingEngine.submitted, StreamingEngine.in_flight = [], []
@@ -473,8 +475,8 @@ def test_requests_are_submitted_in_a_seeded_random_order(streaming):
 
 
 def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch):
-    """Each report forecasts tokens and seconds left (evaldag.time_left) once a rate is known; the last says none."""
-    from evaldag import stages, time_left
+    """Each report forecasts tokens and seconds left (evaldag.pipeline.time_left) once a rate is known; the last says none."""
+    from evaldag.pipeline import stages, time_left
 
     ckpt, _, results = streaming
     monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
@@ -493,7 +495,7 @@ def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch)
 def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, monkeypatch):
     """Progress moves as each request finishes and carries the tokens of the running ones, long before the last
     (longest) request of the shard finishes; throttled to PROGRESS_S; the last report is exact."""
-    from evaldag import stages
+    from evaldag.pipeline import stages
 
     ckpt, _, results = streaming
     monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
@@ -553,8 +555,8 @@ def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setu
 def test_a_shards_inputs_are_read_once_per_process(setup, monkeypatch):
     """A shard process loads its plan for each task (generate, grade) and reads the evaluation's inputs.parquet
     once: load_plan keeps one plan object per file and process, and the plan keeps its inputs."""
-    from evaldag import plan as plan_module
-    from evaldag.plan import load_plan
+    from evaldag.request import plan as plan_module
+    from evaldag.request.plan import load_plan
 
     ckpt, _, results = setup
     path = str(_plan(ckpt, results).path("plan.json"))

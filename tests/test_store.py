@@ -10,10 +10,10 @@ import polars as pl
 import pytest
 from moto.server import ThreadedMotoServer
 
-from evaldag import store
+from evaldag.pipeline import store
 from evaldag.errors import ConfigError
-from evaldag.plan import EvalRequest, load_plan, resolve
-from evaldag.schema import INPUT_SCHEMA, read_table, write_table
+from evaldag.request.plan import EvalRequest, load_plan, resolve
+from evaldag.pipeline.schema import INPUT_SCHEMA, read_table, write_table
 from conftest import free_ports
 
 BUCKET = "evaldag-test"
@@ -105,7 +105,7 @@ def test_evaluation_on_s3_writes_only_to_the_store(s3_server, monkeypatch, tmp_p
     """resolve -> generate -> grade -> reduce with the real model, the store on S3: every output is an object in
     the bucket, nothing lands in the local results folder, and a second pass reuses every stage."""
     from evaldag import paths
-    from evaldag.stages import generate_shard, grade_shard, reduce_results
+    from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
 
     url = f"s3://{BUCKET}/evals"
     monkeypatch.setenv("EVALDAG_RESULTS_URL", url)

@@ -1,4 +1,4 @@
-"""The forecast of a shard's end (evaldag.time_left): the Kaplan-Meier estimate of what is left, and the rate."""
+"""The forecast of a shard's end (evaldag.pipeline.time_left): the Kaplan-Meier estimate of what is left, and the rate."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import heapq
 import numpy as np
 import pytest
 
-from evaldag.time_left import TimeLeft, tokens_left
+from evaldag.pipeline.time_left import TimeLeft, tokens_left
 
 
 def test_what_is_left_in_cases_worked_by_hand():

@@ -71,7 +71,7 @@ def configs(tmp_path, monkeypatch):
 def _finished_plan(tmp_path: Path, step: int, train_run: str, **request) -> str:
     """A resolved plan with its samples.parquet and metrics.json in the result store, as reduce leaves them; returns
     the plan.json path. The metrics are made up: tracking logs what it is given."""
-    from evaldag.plan import EvalRequest, resolve
+    from evaldag.request.plan import EvalRequest, resolve
 
     ckpt = complete_checkpoint(tmp_path / "ckpts" / train_run / f"checkpoint-{step}")
     plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), step=step, limit=2, num_shards=1,
@@ -88,7 +88,7 @@ def _metrics(accuracy: float, reward: float, n: int = 2) -> dict:
 def _track_in_process(plan_path: str, flow_run_id: str, barrier, results, uri: str) -> None:
     """One evaluation's track task in its own process, released together with the others by the barrier."""
     os.environ["MLFLOW_TRACKING_URI"] = uri      # importing conftest here dropped it
-    from evaldag.plan import load_plan
+    from evaldag.request.plan import load_plan
     from evaldag.tracking.write import track
 
     plan = load_plan(plan_path)
@@ -111,7 +111,7 @@ def test_concurrent_tracks_of_one_evaluation_make_one_run(mlflow_server, configs
     """Four processes track the same evaluation at the same moment (twins that finished together): they agree on
     one MLflow run, exactly one of them creates it, and no second run appears. Three evaluations, to give a race
     every chance."""
-    from evaldag.plan import load_plan
+    from evaldag.request.plan import load_plan
 
     ctx = multiprocessing.get_context("spawn")
     for step in (10, 20, 30):
@@ -144,7 +144,7 @@ def test_a_recomputation_with_other_results_is_flagged_on_the_run_it_keeps(mlflo
     """One run per evaluation: a later computation of it (stored outputs lost) does not overwrite the logged
     results; new timings alone change nothing, other results are flagged on the run, naming them and who found
     them."""
-    from evaldag.plan import load_plan
+    from evaldag.request.plan import load_plan
     from evaldag.tracking.names import DIFFERS_TAG
     from evaldag.tracking.write import track
 
@@ -171,8 +171,8 @@ def test_a_live_writer_is_waited_for_and_a_dead_one_is_taken_over(mlflow_server,
     finished; the writer's own retry (same flow run) resumes at once."""
     from mlflow import MlflowClient
 
-    from evaldag.plan import load_plan
-    from evaldag.run_claims import HEARTBEAT_TAG, TrackingBusy, claim_run, take_writer
+    from evaldag.request.plan import load_plan
+    from evaldag.tracking.run_claims import HEARTBEAT_TAG, TrackingBusy, claim_run, take_writer
     from evaldag.tracking.names import experiment_name
     from evaldag.tracking.write import ensure_experiment, track
 
@@ -206,7 +206,7 @@ def test_job_history_compares_like_with_like(mlflow_server, configs, tmp_path):
     parent run keeps one curve per kind of evaluation."""
     from mlflow import MlflowClient
 
-    from evaldag.plan import load_plan
+    from evaldag.request.plan import load_plan
     from evaldag.tracking.names import JOBS_EXPERIMENT
     from evaldag.tracking.write import track
 
@@ -278,8 +278,8 @@ def test_a_transient_mlflow_error_makes_no_second_run(mlflow_server, configs, tm
     passes a claim on to a new run."""
     from mlflow import MlflowClient
 
-    from evaldag import run_claims
-    from evaldag.plan import load_plan
+    from evaldag.tracking import run_claims
+    from evaldag.request.plan import load_plan
     from evaldag.tracking import client as tracking_client
     from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
     from evaldag.tracking.write import ensure_experiment, parent_run, track
@@ -312,8 +312,8 @@ def test_a_writer_uploading_longer_than_the_lease_keeps_its_run(mlflow_server, c
 
     from mlflow import MlflowClient
 
-    from evaldag.plan import load_plan
-    from evaldag.run_claims import current_writer, take_writer
+    from evaldag.request.plan import load_plan
+    from evaldag.tracking.run_claims import current_writer, take_writer
     from evaldag.tracking.write import track
 
     lease_s = 2.0
@@ -353,9 +353,9 @@ def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, 
     that computed it (sync has none of its own to put there)."""
     from mlflow import MlflowClient
 
-    from evaldag import faults
-    from evaldag.plan import load_plan
-    from evaldag.run_claims import HEARTBEAT_TAG
+    from evaldag.pipeline import faults
+    from evaldag.request.plan import load_plan
+    from evaldag.tracking.run_claims import HEARTBEAT_TAG
     from evaldag.tracking.sync import sync
     from evaldag.tracking.write import track
 
@@ -379,12 +379,12 @@ def test_sync_finishing_a_dead_writers_run_keeps_its_flow_run_id(mlflow_server, 
     assert run.info.status == "FINISHED" and run.data.tags["prefect.flow_run_id"] == "flow-run-A"
 
 
-# ---- paired verdicts at track time (evaldag.verdicts.job_verdicts, logged by track)
+# ---- paired verdicts at track time (evaldag.decisions.verdicts.job_verdicts, logged by track)
 
 def _verdict_plan(tmp_path: Path, step: int, train_run: str, solved: int, limit: int = 100, **request):
     """A finished MATH-500 evaluation of `limit` problems (n = 1) whose first `solved` problems (in id order) are
     correct: a higher `solved` solves a superset of a lower one's problems. Returns the plan and its metrics."""
-    from evaldag.plan import EvalRequest, resolve
+    from evaldag.request.plan import EvalRequest, resolve
 
     ckpt = complete_checkpoint(tmp_path / "ckpts" / train_run / f"checkpoint-{step}")
     plan = resolve(EvalRequest(benchmark="math500", checkpoint=str(ckpt), step=step, limit=limit, num_shards=1,
@@ -414,7 +414,7 @@ def test_each_evaluation_is_paired_with_the_jobs_previous_best_and_baseline(mlfl
     very same samples is `equivalent` (d = 0 on every problem: the interval [0, 0] lies inside the margin). A quick
     slice (another comparison key) is paired with nothing, nor is anything paired with it; a baseline named in the
     request is compared too."""
-    from evaldag.series import comparison_key
+    from evaldag.decisions.series import comparison_key
     from evaldag.tracking.write import track
 
     job = "verdict-run"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from evaldag.trainer import CheckpointNotifier, EvalTrigger, flush_spool
+from evaldag.client.notifier import CheckpointNotifier, EvalTrigger, flush_spool
 from fake_events import FakeEventsServer
 
 
@@ -211,7 +211,7 @@ def test_server_down_spools_within_budget_then_flush_delivers(tmp_path, caplog):
     port = _closed_port()
     n = _notifier(f"http://127.0.0.1:{port}/api", tmp_path, max_block_s=1.0, backoff_s=0.2)
     t0 = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="evaldag.trainer"):
+    with caplog.at_level(logging.WARNING, logger="evaldag.client.notifier"):
         event_id = n.notify(tmp_path, 100)
     elapsed = time.monotonic() - t0
     assert elapsed < 1.0 + 0.5, elapsed                      # slack for a busy 2-core box
@@ -242,7 +242,7 @@ def test_slow_server_is_bounded_by_max_block_s(server, tmp_path):
 def test_4xx_goes_to_rejected_and_is_not_retried(server, tmp_path, caplog):
     server.script = [400]
     n = _notifier(server.url, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="evaldag.trainer"):
+    with caplog.at_level(logging.WARNING, logger="evaldag.client.notifier"):
         event_id = n.notify(tmp_path, 7)
     assert len(server.received) == 1                          # one attempt, no retries
     rejected = list((tmp_path / "spool" / "rejected").glob("*.json"))
@@ -329,7 +329,7 @@ def test_unwritable_spool_does_not_raise(tmp_path, caplog):
     blocker.write_text("not a folder")
     n = CheckpointNotifier("r", api_url=f"http://127.0.0.1:{_closed_port()}/api", spool_dir=blocker / "spool",
                            max_block_s=0.3)
-    with caplog.at_level(logging.ERROR, logger="evaldag.trainer"):
+    with caplog.at_level(logging.ERROR, logger="evaldag.client.notifier"):
         assert n.notify(tmp_path, 1)
     assert "could not be sent or spooled" in caplog.text
 
@@ -426,7 +426,7 @@ def test_notifier_validation(tmp_path, kwargs, message):
 
 
 def test_trainer_module_imports_no_heavy_dependencies():
-    code = ("import sys, evaldag.trainer; "
+    code = ("import sys, evaldag.client.notifier; "
             "print(sorted(m for m in ('prefect', 'mlflow', 'pydantic', 'polars', 'torch', 'yaml', 'httpx') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

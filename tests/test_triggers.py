@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from evaldag.plan import EvalRequest
-from evaldag.triggers import (IDENTITY, NOT_OUTPUT, OUTPUT_SETTINGS, evaluated_key, evaluation_id,
+from evaldag.request.plan import EvalRequest
+from evaldag.events.identity import (IDENTITY, NOT_OUTPUT, OUTPUT_SETTINGS, evaluated_key, evaluation_id,
                               plan_settings_key, settings_key)
 
 CKPT = "/ckpts/run-1/checkpoint-100"
@@ -57,7 +57,7 @@ def test_the_tracked_run_and_the_sweeper_agree(tmp_path):
     overrides and the folder: the same settings give the same key, so the sweeper skips exactly what was
     evaluated."""
     from conftest import complete_checkpoint
-    from evaldag.plan import resolve
+    from evaldag.request.plan import resolve
 
     ckpt = complete_checkpoint(tmp_path / "run-1" / "checkpoint-100")
     overrides = {"limit": 2, "num_shards": 1, "sampling": {"max_new_tokens": 16}, "dispatch": "inline"}

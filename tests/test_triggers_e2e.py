@@ -20,9 +20,9 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterNam
 from prefect.deployments import run_deployment
 
 from conftest import free_ports
-from evaldag.models import resolve_model
+from evaldag.request.checkpoint import resolve_model
 from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
-from evaldag.trainer import CheckpointNotifier, flush_spool
+from evaldag.client import CheckpointNotifier, flush_spool
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 

@@ -1,4 +1,4 @@
-"""Paired verdicts (evaldag.verdicts) and the anytime-valid sequential verdict (evaldag.sequential), each statistic
+"""Paired verdicts (evaldag.decisions.verdicts) and the anytime-valid sequential verdict (evaldag.decisions.sequential), each statistic
 checked against an independent computation (by hand, scipy, brute force), the sequential rule by simulation with
 bounds on both sides, and `evaldag compare --verdicts` on a real MLflow store (SQLite) with the samples loader
 replaced (no artifacts server needed)."""
@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from evaldag import sequential, verdicts
+from evaldag.decisions import sequential, verdicts
 
 
 def _brute_sign_flip(d: np.ndarray) -> float:

@@ -43,7 +43,7 @@ _ENGINES = {
 DEFAULT_ENGINE_ENV = "EVALDAG_DEFAULT_ENGINE"
 _BUILTIN_DEFAULT = "vllm"       # the fast engine: continuous batching (docs/performance.md)
 # Engines that give the exact per-position KL to a reference over the whole vocabulary (score_with_reference);
-# with any other, only the sampled tokens' log-probabilities are available (see evaldag.kl).
+# with any other, only the sampled tokens' log-probabilities are available (see evaldag.scoring.kl).
 EXACT_KL_ENGINES = frozenset({"hf"})
 # engines that run the weights in this process (the dtype hint concerns them, not a server)
 _LOCAL_WEIGHTS = frozenset({"hf", "vllm"})

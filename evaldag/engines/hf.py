@@ -18,7 +18,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 from evaldag.engines.base import Completion, EngineBase, batches_by_length, chat_text
 from evaldag.engines.context import PromptFit, config_window
 
@@ -203,7 +203,7 @@ class HFEngine(EngineBase):
         (temperature 1, float32): sum_v p(v) (log p(v) - log q(v)).
 
         The exact KL needs both models' full logits at once, so both are loaded together (two models' memory);
-        it assumes nothing about how the completions were decoded (see evaldag.kl)."""
+        it assumes nothing about how the completions were decoded (see evaldag.scoring.kl)."""
         logp: list[list[float]] = []
         ref_logp: list[list[float]] = []
         kl: list[list[float]] = []

@@ -7,7 +7,7 @@ setup` installs the one that fits the host). Choices, and why:
   transformers engine, and handed to vLLM as token ids: both engines see the same ids (no second BOS, no template
   drift between vLLM's renderer and transformers), so their outputs and log-probs are comparable.
 - A shard's requests all go into the engine at once and come back one by one as each finishes
-  (`generate_requests`): vLLM's continuous batching runs over the whole shard, and evaldag.stages writes finished
+  (`generate_requests`): vLLM's continuous batching runs over the whole shard, and evaldag.pipeline.stages writes finished
   requests in chunks and reports progress per request. Batching by length (plan_batches) is waited on only by
   `generate_batches` / `generate`, which yield or return whole batches.
 - Each request gets its own sampling seed: in a shard, derived from (sampling.seed, sample id)
@@ -36,7 +36,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 from evaldag.engines.base import (Completion, EngineBase, Event, Finished, Request, Running, batches_by_length,
                                   chat_text)
 from evaldag.engines.context import PromptFit
@@ -170,7 +170,7 @@ class VLLMEngine(EngineBase):
         produced its first token (its prefill included) to the step that finished it, not its time in the queue.
         Closing the iterator early aborts the requests still in the engine, so an engine kept loaded for a retry
         starts it empty. `max_in_flight`: at most this many requests in the engine at once, the next one added as one
-        finishes, so requests finish near their order (an evaluation that may stop early, evaldag.decide)."""
+        finishes, so requests finish near their order (an evaluation that may stop early, evaldag.decisions.decide)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 

@@ -2,7 +2,7 @@
 
 Prefect names a deployment `<flow name>/<deployment name>`. The flow names are the `@flow(name=...)` of flows/, which
 import them from here; the deployment names are those of the one manifest, deployments/prefect.yaml, which has one
-`eval/<benchmark>` per benchmark config in configs/benchmarks/ (the benchmark list: evaldag.config.available).
+`eval/<benchmark>` per benchmark config in configs/benchmarks/ (the benchmark list: evaldag.request.config.available).
 tests/test_deployments.py checks that the manifest and the configs agree with this module, so a renamed deployment
 or a new benchmark that misses one of them fails a fast test instead of a flow run.
 """
@@ -47,7 +47,7 @@ def evaluation_deployment(benchmarks: list[str]) -> str:
 
 def benchmark_deployments() -> list[str]:
     """`eval/<b>` for every benchmark config (configs/benchmarks/), the deployments `evaldag up` creates."""
-    from evaldag.config import available
+    from evaldag.request.config import available
 
     return [eval_deployment(b) for b in available("benchmarks")]
 

@@ -1,6 +1,6 @@
 """Whether an evaluation that did not complete is started again: at most one live attempt, a person's cancel kept.
 
-An evaluation (one `evaldag.triggers.evaluation_id`) has attempts: its first flow run, keyed by the id, and the
+An evaluation (one `evaldag.events.identity.evaluation_id`) has attempts: its first flow run, keyed by the id, and the
 retries, keyed `<id>:retry:<suffix>`. The sweeper, eval-latest and repeated checkpoint events ask for a retry when
 the first run did not complete; `decide` looks at every attempt and says what to do:
 

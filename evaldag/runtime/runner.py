@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from evaldag import progress
+from evaldag.pipeline import progress
 
 from evaldag.runtime import liveness
 from evaldag.runtime.deployments import benchmark_deployments, eval_deployment
@@ -117,7 +117,7 @@ def provenance(flow_run_id: str, logged_by: str | None, computed: dict | None, l
 def verdict_lines(tags: dict[str, str], metrics: dict[str, float]) -> list[str]:
     """What `evaldag run` prints after the metrics about the run's paired verdicts (logged at track time): one line
     each against the job's previous and best checkpoints and the baseline, or why there are none."""
-    from evaldag.verdicts import logged_verdict_lines
+    from evaldag.decisions.verdicts import logged_verdict_lines
 
     lines = logged_verdict_lines(tags, metrics)
     if not lines:

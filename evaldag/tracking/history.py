@@ -8,14 +8,14 @@ from pathlib import Path
 
 import polars as pl
 
-from evaldag.diagnostics import Diagnostic
+from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.tracking import client as tracking_client
 from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name
 
 
 def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
     """(checkpoint folder, step, settings key) of every finished evaluation of `benchmark`: what the sweeper need
-    not redo (evaldag.triggers.evaluated_key builds the same triple from its settings). A run logged before
+    not redo (evaldag.events.identity.evaluated_key builds the same triple from its settings). A run logged before
     settings keys existed has an empty one, so the sweeper evaluates its checkpoint again (from the result store's
     cache when the stages are there)."""
     client = tracking_client.mlflow_client()
@@ -50,7 +50,7 @@ def _history_rows(runs) -> dict[str, list[dict]]:
 def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
     """One row per checkpoint of a training job (latest finished run per step): step, accuracy, reward figures.
 
-    With `comparison` (evaldag.series.comparison_key), only the evaluations that measured the same thing: a quick
+    With `comparison` (evaldag.decisions.series.comparison_key), only the evaluations that measured the same thing: a quick
     slice or another sampling setting is another series, never a point of this one."""
     like = f" and tags.`{COMPARISON_TAG}` = '{comparison}'" if comparison else ""
     runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
@@ -72,10 +72,10 @@ def comparable_histories(client, experiment_id: str, comparison: str) -> dict[st
 
 def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> list[Diagnostic]:
     """reward fluctuation and accuracy/reward divergence over a job's checkpoints (when there are enough);
-    `compared` says in each diagnostic which evaluations were set side by side (evaldag.series.describe)."""
+    `compared` says in each diagnostic which evaluations were set side by side (evaldag.decisions.series.describe)."""
     from dataclasses import replace
 
-    from evaldag.diagnostics import accuracy_reward_divergence, reward_fluctuation
+    from evaldag.scoring.diagnostics import accuracy_reward_divergence, reward_fluctuation
 
     out = []
     for fn, need in ((reward_fluctuation, 2), (accuracy_reward_divergence, 3)):

@@ -1,20 +1,20 @@
-"""The evaluation a sequential verdict compares with (evaldag.decide): the training job's best checkpoint so far on
+"""The evaluation a sequential verdict compares with (evaldag.decisions.decide): the training job's best checkpoint so far on
 the same comparison key, read from MLflow before the shards start."""
 
 from __future__ import annotations
 
 import polars as pl
 
-from evaldag.plan import EvalPlan
-from evaldag.series import comparison_key
+from evaldag.request.plan import EvalPlan
+from evaldag.decisions.series import comparison_key
 from evaldag.tracking import client as tracking_client
 from evaldag.tracking.names import experiment_name
 
 
 def best_so_far(plan: EvalPlan) -> tuple[pl.DataFrame, str] | None:
     """(per-problem scores: sample_id, n, score; its label JOB@STEP) of the job's best evaluation at an earlier step
-    with the same comparison key (evaldag.verdicts.references), or None when the job has none yet."""
-    from evaldag import verdicts
+    with the same comparison key (evaldag.decisions.verdicts.references), or None when the job has none yet."""
+    from evaldag.decisions import verdicts
 
     client = tracking_client.mlflow_client()
     experiment = client.get_experiment_by_name(experiment_name(plan.benchmark.name))

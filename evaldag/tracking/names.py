@@ -16,7 +16,7 @@ SETTINGS_TAG = "evaldag.settings_key"
 # charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 TRAINING_KIND = "custom_model_development"
-# The job's planned last step (evaldag.forecast) as the request named it, on the evaluation's run and the job's
+# The job's planned last step (evaldag.decisions.forecast) as the request named it, on the evaluation's run and the job's
 # parent run; and the forecast there in words, `evaldag.forecast.<series>` (one per kind of evaluation).
 FINAL_STEP_TAG = "evaldag.final_step"
 FORECAST_TAG = "evaldag.forecast"

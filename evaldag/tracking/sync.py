@@ -7,8 +7,8 @@ import json
 import logging
 from os import PathLike
 
-from evaldag import store
-from evaldag.run_claims import TrackingBusy
+from evaldag.pipeline import store
+from evaldag.tracking.run_claims import TrackingBusy
 from evaldag.tracking.write import TrackedRun, track
 
 log = logging.getLogger("evaldag")
@@ -17,7 +17,7 @@ log = logging.getLogger("evaldag")
 def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
     """Log every finished evaluation in the result store that MLflow does not have yet (e.g. the tracking server
     was down longer than the track task's retries); returns the runs it created."""
-    from evaldag.plan import load_plan
+    from evaldag.request.plan import load_plan
 
     root = store.as_path(results_root) if results_root is not None else store.root()
     created = []

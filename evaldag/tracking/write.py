@@ -21,17 +21,17 @@ from typing import Any
 
 import polars as pl
 
-from evaldag import faults, store
-from evaldag.diagnostics import Diagnostic
-from evaldag.plan import EvalPlan
-from evaldag.run_claims import (TrackingBusy, claim_run, current_writer, heartbeat, keeping_lease, lease_seconds,
+from evaldag.pipeline import faults, store
+from evaldag.scoring.diagnostics import Diagnostic
+from evaldag.request.plan import EvalPlan
+from evaldag.tracking.run_claims import (TrackingBusy, claim_run, current_writer, heartbeat, keeping_lease, lease_seconds,
                                 still_writer, take_writer)
-from evaldag.series import comparison_key, describe, series_label
+from evaldag.decisions.series import comparison_key, describe, series_label
 from evaldag.tracking import client as tracking_client
 from evaldag.tracking.history import comparable_histories, history_diagnostics, job_history, plot_history
 from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, FINAL_STEP_TAG, FORECAST_TAG,
                                     JOBS_EXPERIMENT, SETTINGS_TAG, TRAINING_KIND, experiment_name, mlflow_key, run_url)
-from evaldag.triggers import plan_settings_key
+from evaldag.events.identity import plan_settings_key
 
 log = logging.getLogger("evaldag")
 
@@ -51,7 +51,7 @@ class TrackedRun:
 def differing_results(computed: dict, logged: dict) -> list[str]:
     """The result metrics (not timings or other measurements) of `computed` whose value differs from the MLflow
     metrics `logged` for the same evaluation, or that the logged run lacks."""
-    from evaldag.metrics import MEASUREMENT_KEYS
+    from evaldag.scoring.metrics import MEASUREMENT_KEYS
 
     def same(a: float, b: float | None) -> bool:
         return b is not None and (a == b or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
@@ -85,7 +85,7 @@ def ensure_experiment(client, name: str) -> str:
 def parent_run(client, train_run: str, requested: str | None = None) -> str:
     """The training job's parent run (get-or-create; a run id the trainer created itself wins).
 
-    Claimed atomically (evaldag.run_claims): evaluations of one job finishing at once on different hosts agree on
+    Claimed atomically (evaldag.tracking.run_claims): evaluations of one job finishing at once on different hosts agree on
     one parent. A parent logged before claims existed (the oldest one) is claimed as it is."""
     if requested:
         return requested
@@ -108,7 +108,7 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s: float | None = None,
           wait_s: float | None = None) -> TrackedRun:
     """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet into the evaluation's one
-    MLflow run (evaldag.run_claims: claimed atomically by eval_key, written by one writer at a time).
+    MLflow run (evaldag.tracking.run_claims: claimed atomically by eval_key, written by one writer at a time).
 
     A finished run is returned as it is. An unfinished one is finished by this call when nobody is writing it: it
     was this flow run's own earlier attempt (same `flow_run_id`), or its writer's heartbeat is older than `lease_s`
@@ -190,8 +190,8 @@ def _run_tags(plan: EvalPlan, flow_run_id: str | None) -> dict[str, str]:
 
 
 def _decision_tags(plan: EvalPlan) -> dict[str, str]:
-    """decide.status / verdict / vs of an evaluation that asked for a sequential verdict (evaldag.decide)."""
-    from evaldag.decide import Decision
+    """decide.status / verdict / vs of an evaluation that asked for a sequential verdict (evaldag.decisions.decide)."""
+    from evaldag.decisions.decide import Decision
 
     decision = Decision.load(plan) if plan.request.decide is not None else None
     return decision.tags() if decision is not None else {}
@@ -280,7 +280,7 @@ def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan,
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
     diags += history_diagnostics(history, describe(plan))
     diags += _falling_behind(w, exp_id, plan, history)
-    from evaldag.diagnostics import to_markdown, to_tags
+    from evaldag.scoring.diagnostics import to_markdown, to_tags
 
     for k, v in to_tags(diags).items():
         w.client.set_tag(w.run_id, k, v)
@@ -299,7 +299,7 @@ def _falling_behind(w: _Writing, exp_id: str, plan: EvalPlan, history: pl.DataFr
     """evaldag.forecast.falling_behind of this job against the other jobs evaluated alike (same comparison key),
     or nothing when that cannot be read. Best effort: a comparison with other jobs describes this one, it is not
     its result."""
-    from evaldag.forecast import falling_behind
+    from evaldag.decisions.forecast import falling_behind
 
     try:
         others = comparable_histories(w.client, exp_id, comparison_key(plan))
@@ -329,7 +329,7 @@ def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict, history: pl.D
 
 
 def _log_forecast(w: _Writing, plan: EvalPlan, history: pl.DataFrame, parent: str, series: str) -> None:
-    """The forecast of the job's accuracy at its planned final step (evaldag.forecast), made from the checkpoints
+    """The forecast of the job's accuracy at its planned final step (evaldag.decisions.forecast), made from the checkpoints
     evaluated alike so far: on the parent run, metrics `<series>/forecast/final_accuracy` (and `_low`, `_high`: the
     80 % band) at this step, so the chart shows how the forecast moves as the job goes; on both runs, tags with
     the final step and the forecast in words (or why there is none yet).
@@ -337,7 +337,7 @@ def _log_forecast(w: _Writing, plan: EvalPlan, history: pl.DataFrame, parent: st
     Best effort, like the verdicts: a forecast is about the job, not this evaluation's result."""
     from mlflow.entities import Metric
 
-    from evaldag.forecast import forecast
+    from evaldag.decisions.forecast import forecast
 
     final = plan.request.final_step
     try:
@@ -357,12 +357,12 @@ def _log_forecast(w: _Writing, plan: EvalPlan, history: pl.DataFrame, parent: st
 
 def _log_verdicts(w: _Writing, exp_id: str, plan: EvalPlan) -> None:
     """Paired verdicts of this evaluation against the job's previous and best-so-far evaluations with the same
-    comparison key, and the request's baseline (evaldag.verdicts.job_verdicts), as tags `verdict.vs_*` and metrics.
+    comparison key, and the request's baseline (evaldag.decisions.verdicts.job_verdicts), as tags `verdict.vs_*` and metrics.
 
     Best effort: the verdicts describe the run, they are not its results, so a failure (a bad margin setting, an
     MLflow hiccup while searching or downloading the earlier samples, an earlier run without samples) is logged as
     a warning and leaves the verdict tags out; the evaluation is still tracked and finished."""
-    from evaldag import verdicts
+    from evaldag.decisions import verdicts
 
     try:
         margin, alpha = verdicts.verdict_settings()

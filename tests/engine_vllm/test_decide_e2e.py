@@ -1,4 +1,4 @@
-"""Sequential stopping through the real stack on the vLLM engine (evaldag.decide): a checkpoint as good as the job's
+"""Sequential stopping through the real stack on the vLLM engine (evaldag.decisions.decide): a checkpoint as good as the job's
 best stops early as `equivalent`, logged as such in MLflow and shown in the Prefect UI; the rows it generated are
 reused by the full evaluation that follows, and running the decided evaluation again launches nothing."""
 
@@ -13,9 +13,9 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from cluster_helpers import children
-from evaldag import store
-from evaldag.decide import decision_order
-from evaldag.plan import load_plan
+from evaldag.pipeline import store
+from evaldag.decisions.decide import decision_order
+from evaldag.request.plan import load_plan
 from evaldag.tracking.samples import load_samples
 
 pytestmark = [pytest.mark.stack, pytest.mark.model]
@@ -29,7 +29,7 @@ SETTINGS = {"limit": 60, "num_shards": 1, "train_run": JOB, "engine": "vllm", "s
 DECIDE = {"decide": "vs_best", "decide_margin": 0.5, "decide_rounds": 15}
 # Step 2 is the same weights, so with the same settings its generations would be step 1's, found in the store and
 # not generated at all. Another seed makes them a generation of their own (greedy: the same answers), still
-# comparable with step 1 (the seed only moves the noise: evaldag.series)
+# comparable with step 1 (the seed only moves the noise: evaldag.decisions.series)
 STEP2 = {"sampling": {"max_new_tokens": 96, "seed": 1}}
 
 

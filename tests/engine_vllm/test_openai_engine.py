@@ -24,12 +24,12 @@ import httpx
 import polars as pl
 import pytest
 
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 from evaldag.engines import load_engine
 from evaldag.engines.dtype import default_dtype
 from evaldag.engines.openai import ServerError, ServerSettings, ServerUnavailableError, server_fingerprint
 from evaldag.errors import ConfigError
-from evaldag.models import resolve_model
+from evaldag.request.checkpoint import resolve_model
 from conftest import free_ports
 
 if "EVALDAG_VLLM_SERVER_PYTHON" not in os.environ and importlib.util.find_spec("vllm") is None:
@@ -303,9 +303,9 @@ def _served_configs(tmp_path: Path, base_url: str, revision: str = "r1") -> Path
 
 
 def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeypatch):
-    from evaldag.plan import EvalRequest, resolve
-    from evaldag.schema import GRADED_SCHEMA, read_table
-    from evaldag.stages import grade_shard
+    from evaldag.request.plan import EvalRequest, resolve
+    from evaldag.pipeline.schema import GRADED_SCHEMA, read_table
+    from evaldag.pipeline.stages import grade_shard
 
     monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(_served_configs(tmp_path, server)))
     request = EvalRequest(benchmark="gsm8k", checkpoint="smollm2-served", limit=4, num_shards=1,
@@ -322,7 +322,7 @@ def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeyp
     monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(_served_configs(tmp_path, server)))
 
     # generation in a fresh process, as a shard runs: no torch import, no model load
-    code = ("import sys, json; from evaldag.plan import load_plan; from evaldag.stages import generate_shard; "
+    code = ("import sys, json; from evaldag.request.plan import load_plan; from evaldag.pipeline.stages import generate_shard; "
             f"generate_shard(load_plan({str(plan.path('plan.json'))!r}), 0); "
             "print(json.dumps({'torch': 'torch' in sys.modules, 'vllm': 'vllm' in sys.modules}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
@@ -342,7 +342,7 @@ def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeyp
 
 def test_kl_and_engine_overrides_are_refused_at_resolve(server, tmp_path, monkeypatch):
     from evaldag.errors import CheckpointError
-    from evaldag.plan import EvalRequest, resolve
+    from evaldag.request.plan import EvalRequest, resolve
 
     monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(_served_configs(tmp_path, server)))
     with pytest.raises(ConfigError, match="engine=hf"):

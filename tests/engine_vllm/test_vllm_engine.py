@@ -13,11 +13,11 @@ import pytest
 
 import psutil
 
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 from evaldag.engines import load_engine
 from evaldag.engines.dtype import default_dtype
 from evaldag.errors import ConfigError
-from evaldag.models import resolve_model
+from evaldag.request.checkpoint import resolve_model
 
 pytestmark = pytest.mark.model
 
@@ -233,7 +233,7 @@ def test_requests_stream_one_by_one_with_their_own_latency(engine):
 
 
 def test_a_run_of_samples_alone_equals_those_samples_of_the_whole_request(engine):
-    """What plans that split a problem's samples over shards rest on (evaldag.plan.splits_samples): samples
+    """What plans that split a problem's samples over shards rest on (evaldag.request.plan.splits_samples): samples
     a..a+c-1 of a request of n samples seeded s are exactly a request of n = c seeded s + a, token for token,
     whatever else runs beside it."""
     from evaldag.engines.base import Finished, Request

@@ -35,9 +35,9 @@ def _resources(p: psutil.Process) -> dict:
 def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     """The real generate and grade stages with engine=vllm (a second engine, started and closed by the stage)."""
     from evaldag import engines
-    from evaldag.plan import EvalRequest, resolve
-    from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
-    from evaldag.stages import generate_shard, grade_shard
+    from evaldag.request.plan import EvalRequest, resolve
+    from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
+    from evaldag.pipeline.stages import generate_shard, grade_shard
 
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=1, sampling={"max_new_tokens": 32},
                                engine="vllm"), tmp_path / "results")
@@ -93,10 +93,10 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
     rows are written in chunks while it runs; each completion's latency is its own request's."""
     import time
 
-    from evaldag.plan import EvalRequest, resolve
-    from evaldag.schema import GENERATION_SCHEMA, read_table
-    from evaldag import stages
-    from evaldag.stages import generate_shard
+    from evaldag.request.plan import EvalRequest, resolve
+    from evaldag.pipeline.schema import GENERATION_SCHEMA, read_table
+    from evaldag.pipeline import stages
+    from evaldag.pipeline.stages import generate_shard
 
     monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
     # every event reported (not every 5 s): whether a report falls between two finishes must not depend on timing

@@ -6,7 +6,7 @@ and publishes what worker nodes need (evaldag.runtime.cluster). A worker node (`
 `StackSettings.server` set) runs only its gpu workers, pointed at the head. Every worker sends flow-run heartbeats
 (`heartbeat_s`), and the head's crash automation turns a run whose heartbeats stop into Crashed (lost nodes).
 
-The `gpu` pool gets num_gpus // tp workers, each pinned to tp GPUs (evaldag.gpus.assign_gpus), and the server a
+The `gpu` pool gets num_gpus // tp workers, each pinned to tp GPUs (evaldag.request.gpus.assign_gpus), and the server a
 global concurrency limit `evaldag-gpus` with one slot per GPU, which shard flows hold while generating.
 
 Everything lives under one state directory, `evaldag.paths.home()`:

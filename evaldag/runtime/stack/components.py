@@ -11,7 +11,8 @@ import socket
 import sys
 from pathlib import Path
 
-from evaldag import paths, store
+from evaldag import paths
+from evaldag.pipeline import store
 
 from evaldag.runtime import cluster
 from evaldag.runtime import postgres as pg

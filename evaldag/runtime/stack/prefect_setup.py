@@ -20,7 +20,7 @@ from evaldag.runtime import cluster, prefect_results
 from evaldag.runtime import postgres as pg
 from evaldag.runtime.deployments import CPU_POOL, MANIFEST, POOLS
 from evaldag.errors import StackError
-from evaldag.gpus import GPU_LIMIT
+from evaldag.request.gpus import GPU_LIMIT
 from evaldag.runtime.stack.processes import _cli, _log_tail, _repo, _tail
 from evaldag.runtime.stack.settings import POSTGRES, PREFECT_SERVER, StackSettings
 

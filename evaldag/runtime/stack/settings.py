@@ -17,7 +17,7 @@ from evaldag import paths
 
 from evaldag.runtime import cluster
 from evaldag.errors import EvalDagError, StackError, warn_deprecated
-from evaldag.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
+from evaldag.request.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 
 PREFECT_SERVER = "prefect-server"
 MLFLOW_SERVER = "mlflow-server"
@@ -176,7 +176,7 @@ class StackSettings(BaseModel):
 
     @property
     def gpu_assignment(self) -> list[tuple[str, ...] | None]:
-        """CUDA_VISIBLE_DEVICES ids of each gpu worker (None: not pinned); see evaldag.gpus.assign_gpus."""
+        """CUDA_VISIBLE_DEVICES ids of each gpu worker (None: not pinned); see evaldag.request.gpus.assign_gpus."""
         return assign_gpus(self.num_gpus, self.tp, self.gpus)
 
     @classmethod
@@ -313,7 +313,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _detected_gpus(num_gpus: int) -> tuple[str, ...] | None:
-    """The first `num_gpus` GPU ids of this machine (evaldag.gpus.detect_gpu_ids), None on a machine without GPUs."""
+    """The first `num_gpus` GPU ids of this machine (evaldag.request.gpus.detect_gpu_ids), None on a machine without GPUs."""
     ids = detect_gpu_ids()
     if ids is None:
         return None

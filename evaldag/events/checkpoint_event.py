@@ -1,12 +1,12 @@
 """Checkpoints announced by trainers: parse their step from the folder name, validate events, find them on disk.
 
-An `evaldag.checkpoint.saved` event (sent by `evaldag.trainer.CheckpointNotifier`) is untrusted input: anyone who can
+An `evaldag.checkpoint.saved` event (sent by `evaldag.client.notifier.CheckpointNotifier`) is untrusted input: anyone who can
 POST to the Prefect API can send one. `validate_checkpoint_event` therefore checks the payload's types strictly and
 only accepts a checkpoint folder that lies, after resolving symlinks, under a root the operator allowed
 (`EVALDAG_CHECKPOINT_ROOTS`), and that is complete on disk.
 
-The trainer side (evaldag/trainer.py) does not import this module: it must run without pydantic. Both take their
-rules (train run, benchmark name, step, run id, checkpoint completeness) from evaldag.rules.
+The trainer side (evaldag/client/notifier.py) does not import this module: it must run without pydantic. Both take their
+rules (train run, benchmark name, step, run id, checkpoint completeness) from evaldag.request.rules.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evaldag.errors import CheckpointError
-from evaldag.rules import (BENCHMARK_PATTERN, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_checkpoint,
+from evaldag.request.rules import (BENCHMARK_PATTERN, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_checkpoint,
                            check_decide, describe_errors)
 
-log = logging.getLogger("evaldag.checkpoints")
+log = logging.getLogger("evaldag.events.checkpoint_event")
 
 ROOTS_ENV = "EVALDAG_CHECKPOINT_ROOTS"
 # The free-form `extra` of an event ends up in flow-run parameters and the Prefect database: a few settings
@@ -76,7 +76,7 @@ class CheckpointEvent(BaseModel):
     mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)
     final_step: int | None = Field(None, ge=1, description="the job's planned last step, for its forecast")
     decide: str | dict | None = Field(None, description="stop the evaluation early once its verdict against the "
-                                                        "job's best is decided (evaldag.rules.check_decide)")
+                                                        "job's best is decided (evaldag.request.rules.check_decide)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -114,7 +114,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
 
     Raises CheckpointError naming the problem: not a mapping, missing or mistyped fields, a relative path or one
     with `..` components, a folder that (after resolving symlinks) is not under one of `allowed_roots`, a missing
-    or incomplete folder (evaldag.rules.check_checkpoint), a folder whose name holds another step than the event's
+    or incomplete folder (evaldag.request.rules.check_checkpoint), a folder whose name holds another step than the event's
     (`checkpoint-1200` sent with step 1100; parse_step), or, when `marker` is given, a folder without that
     marker file (the trainer writes it last, once the checkpoint is complete). The returned path is the resolved
     one, so the evaluation reads exactly the folder that was checked.
@@ -188,7 +188,7 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
 
     Looks at the folders directly under `root` (`<root>/checkpoint-1200`) and, for those whose name is not a
     checkpoint name, one level deeper (`<root>/<run>/checkpoint-1200`). A folder counts when parse_step reads a
-    step from its name and it is complete (evaldag.rules.check_checkpoint, plus `marker` when given).
+    step from its name and it is complete (evaldag.request.rules.check_checkpoint, plus `marker` when given).
     Incomplete ones are skipped and logged at INFO with the reason; hidden folders (`.name`) and entries whose
     real path lies outside `root` (symlinks) are ignored.
     """

@@ -20,7 +20,7 @@ unlike a Hoeffding bound.
 Validity needs the d_i to be draws from the population whose mean is the target: problems must be taken in a
 random order (a benchmark file is sorted by subject or level), fixed before looking at any result. The target is the
 same as the fixed-n paired test's: the mean difference over the distribution the benchmark's problems and the
-checkpoints' samples are drawn from. The verdict is the fixed-n rule (evaldag.verdicts.verdict_from_interval) read on
+checkpoints' samples are drawn from. The verdict is the fixed-n rule (evaldag.decisions.verdicts.verdict_from_interval) read on
 the CS: `equivalent` inside [-margin, margin], `better` above 0, `worse` below 0, else `undecided` (keep going).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from evaldag.verdicts import verdict_from_interval
+from evaldag.decisions.verdicts import verdict_from_interval
 
 
 @dataclass(frozen=True)

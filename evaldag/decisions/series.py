@@ -15,7 +15,7 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from evaldag.plan import EvalPlan
+    from evaldag.request.plan import EvalPlan
 
 _SAMPLING = ("n", "temperature", "top_p", "max_new_tokens")
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from evaldag import paths
-from evaldag.rules import WEIGHT_FILES, WEIGHT_INDEXES  # the weight files a complete checkpoint holds
+from evaldag.request.rules import WEIGHT_FILES, WEIGHT_INDEXES  # the weight files a complete checkpoint holds
 
 # Configs, tokenizer files and chat templates (top level of the folder). A file not listed here does not decide what
 # the model generates with evaldag's engines.

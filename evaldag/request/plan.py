@@ -19,19 +19,20 @@ import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from upath import UPath
 
-from evaldag import __version__, store
-from evaldag.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
-from evaldag.datasets import load_benchmark_rows
+from evaldag import __version__
+from evaldag.pipeline import store
+from evaldag.request.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
+from evaldag.request.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
-from evaldag.gpus import shard_gpus
-from evaldag.grading import GRADER_VERSION
-from evaldag.keys import result_engine_args
-from evaldag.models import ResolvedModel, resolve_model, with_engine
-from evaldag.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
-from evaldag.schema import INPUT_SCHEMA, read_table, write_table
-from evaldag.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
+from evaldag.request.gpus import shard_gpus
+from evaldag.scoring.grading import GRADER_VERSION
+from evaldag.request.keys import result_engine_args
+from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine
+from evaldag.request.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
+from evaldag.pipeline.schema import INPUT_SCHEMA, read_table, write_table
+from evaldag.decisions.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
 
-# Times the sequential verdict is read, at equal steps of the problems (evaldag.decide)
+# Times the sequential verdict is read, at equal steps of the problems (evaldag.decisions.decide)
 DEFAULT_ROUNDS = 10
 
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
@@ -63,7 +64,7 @@ class EvalRequest(BaseModel):
                                   description="training job the checkpoint belongs to; default: its parent folder")
     mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN,
                                              description="the training job's MLflow run, when the trainer made one")
-    # Not part of any key (evaldag.keys.NOT_RESULT_SETTINGS): whom the result is compared with, not the result.
+    # Not part of any key (evaldag.request.keys.NOT_RESULT_SETTINGS): whom the result is compared with, not the result.
     baseline: str | None = Field(None, min_length=1, max_length=1000,
                                  description="also compare with this evaluation (paired verdict): a run id, "
                                              "checkpoint path, model name or JOB@STEP, as `evaldag compare "
@@ -71,7 +72,7 @@ class EvalRequest(BaseModel):
     # Not part of any key either: where the job is headed, for the forecast logged on its parent run.
     final_step: int | None = Field(None, ge=1, description="the training job's planned last step: the forecast of "
                                                            "its accuracy there is logged on the job's parent run")
-    # Sequential stopping (evaldag.decide). Part of the eval_key (a stopped evaluation's metrics are over a prefix
+    # Sequential stopping (evaldag.decisions.decide). Part of the eval_key (a stopped evaluation's metrics are over a prefix
     # of the problems), not of the generation key: a later full evaluation reuses the rows generated before the stop.
     decide: Literal["vs_best"] | None = Field(None, description="stop generating as soon as the paired verdict "
                                                                 "against the job's best checkpoint so far is "
@@ -327,7 +328,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         "dataset_hash": data.dataset_hash,
         "sample_ids": data.inputs["sample_id"].to_list(),
         "model_fingerprint": model.fingerprint,
-        # engine_args that only size memory or scheduling are left out (evaldag.keys.NOT_RESULT_SETTINGS)
+        # engine_args that only size memory or scheduling are left out (evaldag.request.keys.NOT_RESULT_SETTINGS)
         "engine": [model.engine, model.dtype, model.batch_size, result_engine_args(model.engine_args)],
         "sampling": sampling.model_dump(),
         "shards": shards,   # batch composition changes greedy outputs slightly, so it is part of the identity

@@ -1,7 +1,7 @@
 """Trainer side of evaluate-on-checkpoint: decide when to evaluate, and tell Prefect that a checkpoint is ready.
 
 This module is imported by training scripts, so it uses the standard library only: no prefect (1 s, 78 MB to
-import), no pydantic, no torch (its input rules come from evaldag.rules, standard library only too). It must stay that way; tests/test_trainer.py checks it in a fresh interpreter.
+import), no pydantic, no torch (its input rules come from evaldag.request.rules, standard library only too). It must stay that way; tests/test_trainer.py checks it in a fresh interpreter.
 
 - `EvalTrigger` answers "is an evaluation due at (epoch, step)?" for step, epoch and wall-clock frequencies, and
   saves its state with the trainer's so a resumed run neither evaluates twice nor skips one.
@@ -35,10 +35,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from evaldag.rules import (TRAIN_RUN_PATTERN, check_benchmark_names, check_count, check_decide, check_run_id,
+from evaldag.request.rules import (TRAIN_RUN_PATTERN, check_benchmark_names, check_count, check_decide, check_run_id,
                            check_step, check_train_run)
 
-log = logging.getLogger("evaldag.trainer")
+log = logging.getLogger("evaldag.client.notifier")
 
 EVENT_NAME = "evaldag.checkpoint.saved"
 RESOURCE_PREFIX = "evaldag.train-run."
@@ -353,10 +353,10 @@ class CheckpointNotifier:
     makes one attempt only (no retry cycle) until a delivery succeeds again.
 
     `final_step`, the step training is planned to end at, travels with every event: the job's parent MLflow run
-    then gets a forecast of the accuracy at that step (evaldag.forecast) from the checkpoints evaluated so far.
+    then gets a forecast of the accuracy at that step (evaldag.decisions.forecast) from the checkpoints evaluated so far.
     `decide` ("vs_best", or {"against": "vs_best", "alpha": 0.05, "margin": 0.02, "rounds": 10}) asks every
     evaluation of the job to stop as soon as its paired verdict against the job's best checkpoint so far is decided
-    (evaldag.decide): cheaper evaluations, each a verdict rather than a full measurement.
+    (evaldag.decisions.decide): cheaper evaluations, each a verdict rather than a full measurement.
     """
 
     def __init__(self, train_run: str, api_url: str | None = None, benchmarks: list[str] | None = None,
@@ -544,7 +544,7 @@ class CheckpointNotifier:
         if not self._warned_no_url:
             self._warned_no_url = True
             log.warning("no Prefect API URL (set PREFECT_API_URL or pass api_url): checkpoint events are spooled to "
-                        "%s; send them later with evaldag.trainer.flush_spool(%r, api_url)",
+                        "%s; send them later with evaldag.client.notifier.flush_spool(%r, api_url)",
                         self.spool_dir, str(self.spool_dir))
 
 

@@ -100,7 +100,7 @@ def _permutation_p(correct: np.ndarray, shard: np.ndarray, n_shards: int, n_perm
 def _within_problem_p(graded: pl.DataFrame, present: list[int], n_perm: int, seed: int,
                       block: int = 100) -> float:
     """p-value of the between-shard spread of correct samples, over reshufflings of each problem's samples among the
-    shards that hold them: the test for plans that split problems' samples over shards (evaldag.plan.
+    shards that hold them: the test for plans that split problems' samples over shards (evaldag.request.plan.
     plan_split_shards), where whole problems cannot be dealt out. Statistic sum_s (C_s - E_s)^2 / m_s, with C_s the
     correct samples of shard s, m_s its samples and E_s = sum_p m_ps * ybar_p what its share of each problem predicts.
     Shuffling keeps every m_ps, and under "no shard effect" a problem's samples are exchangeable between shards, so
@@ -167,7 +167,7 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
     difficulty, and the diagnostic says so instead of testing. Fires when p < alpha. The plain and the
     design-effect-corrected chi-square p-values are kept in the details for reference. All-correct or all-wrong
     tables have nothing to compare (p = 1, quiet). With `num_shards`, shards that have no samples are named in the
-    explanation; they are left out of the test (a missing shard is `evaldag.metrics.check_complete`'s error, not a
+    explanation; they are left out of the test (a missing shard is `evaldag.scoring.metrics.check_complete`'s error, not a
     disagreement).
     """
     _check_alpha(alpha)

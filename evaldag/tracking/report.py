@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from evaldag.diagnostics import Diagnostic, to_markdown
-from evaldag.plan import EvalPlan
+from evaldag.scoring.diagnostics import Diagnostic, to_markdown
+from evaldag.request.plan import EvalPlan
 
 
 def _fmt(m: dict, key: str, pct: bool = True) -> str:

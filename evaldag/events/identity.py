@@ -11,9 +11,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evaldag.config import available
+from evaldag.request.config import available
 from evaldag.errors import ConfigError
-from evaldag.keys import NOT_RESULT_SETTINGS, settings_digest
+from evaldag.request.keys import NOT_RESULT_SETTINGS, settings_digest
 
 
 def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str]) -> list[str]:
@@ -29,12 +29,12 @@ def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str])
     return wanted
 
 
-# What an evaluation request is made of (evaldag.plan.EvalRequest's fields, and the eval flow's parameters):
+# What an evaluation request is made of (evaldag.request.plan.EvalRequest's fields, and the eval flow's parameters):
 # - IDENTITY: which checkpoint on which benchmark, and where it belongs (part of every key below);
 # - OUTPUT_SETTINGS: settings that change the result: a slice (limit), sampling, pass@k's ks, the KL reference,
 #   the engine, and the shard count (batch composition moves greedy outputs);
 # - NOT_OUTPUT: where the result is logged and how the shards are dispatched; never part of a key. They are the
-#   `request.*` entries of evaldag.keys.NOT_RESULT_SETTINGS, the one list of settings that do not change results.
+#   `request.*` entries of evaldag.request.keys.NOT_RESULT_SETTINGS, the one list of settings that do not change results.
 # The keys themselves are taken from the resolved settings (the request, the benchmark config, the model's dtype,
 # engine, batch size, engine_args and fingerprint) minus that list, not from this classification.
 IDENTITY = ("benchmark", "checkpoint", "step", "train_run")
@@ -58,7 +58,7 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
         except TypeError:
             pass
     try:
-        from evaldag.config import load_benchmark, merge_sampling
+        from evaldag.request.config import load_benchmark, merge_sampling
 
         base = default_sampling if default_sampling is not None else load_benchmark(benchmark).sampling
         out["sampling"] = merge_sampling(base, out.get("sampling")).model_dump()
@@ -71,12 +71,12 @@ def model_settings(checkpoint: str | Path, engine: str | None = None) -> dict[st
     """What the evaluation flow will resolve `checkpoint` (a folder or a model alias) to run with, without
     loading or exporting anything: dtype (EVALDAG_DEFAULT_DTYPE or the host's default when the config names none),
     engine (`engine` override, the config's, EVALDAG_DEFAULT_ENGINE), batch_size, engine_args, and the fingerprint
-    of the folder's contents (evaldag.fingerprint: cached by file identity, so a few stat() calls for a checkpoint
+    of the folder's contents (evaldag.request.fingerprint: cached by file identity, so a few stat() calls for a checkpoint
     seen before). The fingerprint is None where no folder is there to hash (a hub or packaged alias, a server, a
     folder that is gone: the flow names that problem). Never raises: a key must not fail before the flow can say
     what is wrong."""
-    from evaldag import config as cfgmod
-    from evaldag.models import folder_config, run_settings
+    from evaldag.request import config as cfgmod
+    from evaldag.request.checkpoint import folder_config, run_settings
 
     name = str(checkpoint).strip()
     folder: Path | None = None
@@ -96,7 +96,7 @@ def model_settings(checkpoint: str | Path, engine: str | None = None) -> dict[st
     out["fingerprint"] = None
     if folder is not None and folder.is_dir():
         try:
-            from evaldag.fingerprint import fingerprint
+            from evaldag.request.fingerprint import fingerprint
 
             out["fingerprint"] = fingerprint(folder)
         except OSError:
@@ -107,7 +107,7 @@ def model_settings(checkpoint: str | Path, engine: str | None = None) -> dict[st
 def _benchmark_settings(benchmark: str) -> dict[str, Any]:
     """The benchmark config as it is now (instruction, dataset revision, gold format, grading timeout, ...), or
     just its name when it cannot be loaded (the flow names the problem)."""
-    from evaldag.config import load_benchmark
+    from evaldag.request.config import load_benchmark
 
     try:
         return load_benchmark(benchmark).model_dump(mode="json")
@@ -124,7 +124,7 @@ def settings_key(benchmark: str, checkpoint: str | Path, overrides: Mapping[str,
     """16 hex digits identifying everything but the identity that decides the result of evaluating `checkpoint`
     on `benchmark` with `overrides`: the request's settings (`output_settings`), the benchmark config, and the
     model's resolved settings and fingerprint (`model_settings`, or `model` when the caller has them), minus
-    evaldag.keys.NOT_RESULT_SETTINGS."""
+    evaldag.request.keys.NOT_RESULT_SETTINGS."""
     if model is None:
         model = model_settings(checkpoint, (overrides or {}).get("engine"))
     return _key(output_settings(benchmark, overrides), _benchmark_settings(benchmark), dict(model))

@@ -3,10 +3,10 @@
 What it estimates: the benchmark's mean accuracy as avg@n does, the mean over problems of each problem's solve rate
 (mean of means), with an interval **for this problem set** (the problems' solve rates held fixed, only the sampling
 random). That is the part of the uncertainty that more samples can shrink; the uncertainty of which problems were
-drawn (what the bootstrap over problems of evaldag.sampling_metrics also covers) does not shrink with samples at all,
+drawn (what the bootstrap over problems of evaldag.scoring.sampling_metrics also covers) does not shrink with samples at all,
 and on a 30-problem set it dominates. Both are reported: `ci_low`/`ci_high` (problem set) and
 `population_ci_low`/`population_ci_high` (problems as draws from a population: Student's t on the per-problem
-estimates, as evaldag.verdicts does).
+estimates, as evaldag.decisions.verdicts does).
 
 The design (stateless: the parent flow calls `next_round` between rounds with a table of per-problem counts):
 1. Round 1: n0 samples per problem (`first_correct` of them correct).
@@ -17,7 +17,7 @@ The design (stateless: the parent flow calls `next_round` between rounds with a 
    round 1 only, so every later call recomputes the same plan from the same table; the flow may draw it in one round
    or several.
 3. The estimate: each problem's T = a(s) + b(s) x (mean of its later samples), the least-variance estimator that is
-   unbiased for every solve rate under this design (evaldag.twostage: the pooled mean of all samples is not, it
+   unbiased for every solve rate under this design (evaldag.decisions.twostage: the pooled mean of all samples is not, it
    under-estimates hard problems seen at 0/n0 by several points). Its variance for each problem is averaged over the
    problem's posterior (prior x all its samples), summed, and the interval is normal.
 
@@ -42,7 +42,7 @@ from scipy.special import betaln
 from scipy.stats import norm
 from scipy.stats import t as student_t
 
-from evaldag.twostage import TwoStageWeights, estimates, expected_variance, optimal_weights
+from evaldag.decisions.twostage import TwoStageWeights, estimates, expected_variance, optimal_weights
 
 COUNT_COLUMNS = ("sample_id", "n", "correct", "first_correct")
 # Bounds on the concentration of the fitted Beta prior: a first round of 30 problems can say "all 0/n0", which

@@ -1,6 +1,6 @@
 """Compare checkpoints across benchmarks from MLflow: one row per (training job, step), one column per benchmark,
 accuracy with its interval and deltas to the job's previous and best checkpoint; each job's forecast at its planned
-final step and whether it falls behind another job at the same step (evaldag.forecast)."""
+final step and whether it falls behind another job at the same step (evaldag.decisions.forecast)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from evaldag.diagnostics import Diagnostic
+from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, FINAL_STEP_TAG
 
 
@@ -56,7 +56,7 @@ def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | No
 
 def _series(df: pl.DataFrame) -> pl.DataFrame:
     """The rows a job's curve is made of: per (job, benchmark), those with the comparison key of its latest step
-    (a quick slice or another sampling setting is another series; evaldag.series), with their sample counts."""
+    (a quick slice or another sampling setting is another series; evaldag.decisions.series), with their sample counts."""
     latest = (df.sort("step").group_by("train_run", "benchmark", maintain_order=True)
               .agg(key=pl.col("comparison_key").last()))
     return (df.join(latest, on=["train_run", "benchmark"])
@@ -69,7 +69,7 @@ def forecasts(df: pl.DataFrame, final_step: int | None = None) -> pl.DataFrame:
     were tagged with (the trainer's or the request's); jobs with neither are left out. Columns: train_run,
     benchmark, final_step, made, value, low, high, reason, text (Forecast.describe), A, R0, s_mid, B (the fitted
     curve, for the plot)."""
-    from evaldag.forecast import forecast
+    from evaldag.decisions.forecast import forecast
 
     rows = []
     for (job, bench), g in _series(df).group_by("train_run", "benchmark", maintain_order=True):
@@ -89,7 +89,7 @@ def forecasts(df: pl.DataFrame, final_step: int | None = None) -> pl.DataFrame:
 def falling_behind(df: pl.DataFrame, alpha: float = 0.05) -> list[tuple[str, Diagnostic]]:
     """(benchmark, diagnostic) for every job of `df` checked against the other jobs measured alike (same benchmark
     and comparison key) at its latest step (evaldag.forecast.falling_behind)."""
-    from evaldag.forecast import falling_behind as check
+    from evaldag.decisions.forecast import falling_behind as check
 
     out = []
     for (bench, _), g in _series(df).group_by("benchmark", "comparison_key", maintain_order=True):
@@ -178,7 +178,7 @@ def _draw_forecast(ax, fc: pl.DataFrame, steps: list[int], colour: str, job: str
     """The fitted curve from the job's first evaluated step to its final step, and the band at the final step."""
     import numpy as np
 
-    from evaldag.forecast import sigmoid
+    from evaldag.decisions.forecast import sigmoid
 
     if fc.is_empty():
         return

@@ -82,7 +82,7 @@ class RewardSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(description="a registered reward name (see evaldag.rewards.reward_names())")
+    name: str = Field(description="a registered reward name (see evaldag.scoring.rewards.reward_names())")
     weight: float = Field(1.0, description="multiplier of this component in the summed reward")
     params: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the reward factory")
 
@@ -145,5 +145,5 @@ def reward_metrics(graded: pl.DataFrame, spec: list[RewardSpec | dict]) -> dict[
            "reward/p05": reward.quantile(0.05, "linear"), "reward/p95": reward.quantile(0.95, "linear")},
         **{f"reward/{s.name}/mean": pl.col(s.name).mean() for s in specs},
     ).row(0, named=True)
-    # The std of a single sample is undefined (null): left out rather than faked as 0, as in evaldag.metrics.
+    # The std of a single sample is undefined (null): left out rather than faked as 0, as in evaldag.scoring.metrics.
     return {k: float(v) for k, v in row.items() if v is not None}

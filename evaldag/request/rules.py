@@ -1,7 +1,7 @@
 """The input rules every entry point shares: train run, benchmark name, step, limit, run id, checkpoint completeness.
 
-Each rule is defined here once and used by the trainer client (evaldag/trainer.py), the event validator
-(evaldag/checkpoints.py), the request and config models (evaldag/plan.py, evaldag/config.py), the datasets loader,
+Each rule is defined here once and used by the trainer client (evaldag/client/notifier.py), the event validator
+(evaldag/events/checkpoint_event.py), the request and config models (evaldag/request/plan.py, evaldag/request/config.py), the datasets loader,
 the on-checkpoint flow and the CLI. The trainer client imports this module inside training scripts, so it uses the
 standard library only (tests/test_trainer.py checks that in a fresh interpreter): pydantic models take the patterns
 and bounds below as `Field(pattern=..., ge=...)`, plain code calls the `check_*` functions.
@@ -44,7 +44,7 @@ def check_train_run(value: object, error: type[Exception] = ValueError) -> str:
 
 
 def is_benchmark_name(value: object) -> bool:
-    """Whether `value` has the form of a benchmark name (whether such a config exists is evaldag.config's job)."""
+    """Whether `value` has the form of a benchmark name (whether such a config exists is evaldag.request.config's job)."""
     return isinstance(value, str) and re.match(BENCHMARK_PATTERN, value) is not None
 
 
@@ -96,7 +96,7 @@ DECIDE_FIELDS = ("alpha", "margin", "rounds")
 
 
 def check_decide(value: object, error: type[Exception] = ValueError) -> dict | None:
-    """A trainer's sequential-stopping request (evaldag.decide): None, "vs_best", or {"against": "vs_best", "alpha":
+    """A trainer's sequential-stopping request (evaldag.decisions.decide): None, "vs_best", or {"against": "vs_best", "alpha":
     0 < a < 1, "margin": 0 <= m < 1, "rounds": 1..1000} (each but `against` optional). Returns it as that dict
     (absent fields None), or raises `error` naming what is wrong."""
     if value is None:

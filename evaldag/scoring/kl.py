@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from evaldag.config import SamplingConfig
+from evaldag.request.config import SamplingConfig
 
 ESTIMATORS = ("k1", "k2", "k3")
 

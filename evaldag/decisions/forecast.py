@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evaldag.diagnostics import Diagnostic
+from evaldag.scoring.diagnostics import Diagnostic
 
 MIN_POINTS = 5
 MAX_EXTRAPOLATION = 4.0     # final_step / last evaluated step; beyond it no forecast (bench_forecast.py: coverage)

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from evaldag import paths
 from evaldag.errors import ConfigError
-from evaldag.gold import GoldFormat
-from evaldag.rewards import RewardSpec
-from evaldag.rules import BENCHMARK_PATTERN, describe_errors, is_benchmark_name
+from evaldag.scoring.gold import GoldFormat
+from evaldag.scoring.rewards import RewardSpec
+from evaldag.request.rules import BENCHMARK_PATTERN, describe_errors, is_benchmark_name
 
 
 # The inference engines (evaldag.engines registers them): transformers, vLLM in-process, a running OpenAI-compatible
@@ -77,7 +77,7 @@ class BenchmarkConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     num_shards: int | None = Field(None, ge=1, le=4096,
                                    description="shard flow runs when the request names none; default (null): as "
-                                               "many as the gpu slots can run at once (evaldag.plan.shard_count)")
+                                               "many as the gpu slots can run at once (evaldag.request.plan.shard_count)")
     grading_timeout_s: float = Field(10.0, gt=0, description="hard per-item grading time limit")
     strip_thinking: bool = Field(False, description="drop <think>...</think> before extracting the answer")
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="correctness")],

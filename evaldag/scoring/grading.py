@@ -2,14 +2,14 @@
 
 The comparison itself is math-verify (`parse` + `verify`, gold first). What this module adds:
 
-- The gold it compares with is canonical already (evaldag.gold.normalize_gold, when the rows are loaded).
+- The gold it compares with is canonical already (evaldag.scoring.gold.normalize_gold, when the rows are loaded).
 - `grade_one` is the pure per-item function. It runs math-verify with its own timeouts switched off: those use
   `signal.alarm`, which raises outside the main thread and cannot interrupt sympy while it is stuck in C code.
 - `grade_many` runs `grade_one` in a pebble process pool with a hard per-item timeout: pebble kills the worker
   process of an item that overruns, which works whatever the worker is doing.
-- `grade_table` applies it to a generations table (`evaldag.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`).
+- `grade_table` applies it to a generations table (`evaldag.pipeline.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`).
 
-math_verify (sympy) and polars are imported lazily, so `import evaldag.grading` stays cheap for the CLI and for the
+math_verify (sympy) and polars are imported lazily, so `import evaldag.scoring.grading` stays cheap for the CLI and for the
 pool's worker processes, which import this module to find `_grade_item`.
 """
 
@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Part of every grade cache key: bump the suffix whenever a change here can change any grade
-# (gold normalisation in evaldag.gold, extraction configs, status rules, math-verify minor version).
+# (gold normalisation in evaldag.scoring.gold, extraction configs, status rules, math-verify minor version).
 GRADER_VERSION: str = "math-verify-0.9/1"
 
-# Statuses, spelled as in evaldag.schema.GRADE_STATUSES (checked by the tests).
+# Statuses, spelled as in evaldag.pipeline.schema.GRADE_STATUSES (checked by the tests).
 CORRECT, WRONG, UNPARSEABLE, TIMEOUT, TRUNCATED = "correct", "wrong", "unparseable", "timeout", "truncated"
 
 # `pred` is for display in tables and the UI; a runaway extraction (a whole paragraph of LaTeX) is cut here.
@@ -50,7 +50,7 @@ PRED_MAX_CHARS = 200
 
 @dataclass(frozen=True)
 class Grade:
-    """The grade of one completion. `status` is one of `evaldag.schema.GRADE_STATUSES`."""
+    """The grade of one completion. `status` is one of `evaldag.pipeline.schema.GRADE_STATUSES`."""
 
     pred: str | None   # extracted answer as text (also for truncated rows); None when nothing was extracted
     status: str
@@ -155,7 +155,7 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
         # Only takes effect if the forkserver is not running yet; otherwise workers just import it themselves.
-        ctx.set_forkserver_preload(["evaldag.grading", "math_verify"])
+        ctx.set_forkserver_preload(["evaldag.scoring.grading", "math_verify"])
         return ctx
     return multiprocessing.get_context("spawn")  # pragma: no cover - platforms without fork (Windows)
 
@@ -274,7 +274,7 @@ def grade_many(items: Sequence[tuple[str, str, str]], timeout_s: float = 10.0, w
 class BoundedCalls:
     """Calls of module-level functions in a pebble process pool, each with a hard `timeout_s` (the pool kills the
     worker of a call that overruns), one at a time; a context manager. For work that, like grading, can hang in
-    sympy's C code where no signal reaches it: maj@k's answer grouping (evaldag.sampling_metrics.math_equivalent).
+    sympy's C code where no signal reaches it: maj@k's answer grouping (evaldag.scoring.sampling_metrics.math_equivalent).
     The pool starts on the first call, so a table that needs no call costs nothing. `timeouts` counts the calls
     that were cut (a worker that died counts too)."""
 
@@ -326,7 +326,7 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
     """
     import polars as pl
 
-    from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
+    from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
 
     df = conform(df, GENERATION_SCHEMA)
     completions = df["completion"].fill_null("").to_list()

@@ -7,7 +7,7 @@ problems finish roughly in it. The parent reads the rows the shards make durable
 longest *prefix* of the order whose problems are all generated: finished problems are a biased sample (short answers
 finish first), a prefix of a random order is not. At the end of each round (`round_ends`: `rounds` equal steps of
 the problems) it reads the anytime-valid confidence sequence of the paired difference over that prefix
-(evaldag.sequential) and stops at the first round whose verdict is decided. Reading the verdict only at round ends
+(evaldag.decisions.sequential) and stops at the first round whose verdict is decided. Reading the verdict only at round ends
 makes a stopped evaluation reproducible: its metrics are those of exactly the first `problems` problems of the order,
 whenever the polls happened.
 
@@ -29,10 +29,10 @@ import numpy as np
 import polars as pl
 from upath import UPath
 
-from evaldag import store
-from evaldag.plan import EvalPlan
-from evaldag.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
-from evaldag.sequential import sequential_verdict
+from evaldag.pipeline import store
+from evaldag.request.plan import EvalPlan
+from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
+from evaldag.decisions.sequential import sequential_verdict
 
 # Requests a shard keeps in its engine at once when the evaluation may stop early: few enough that problems finish
 # near their place in the order (a prefix completes early), enough to keep the engine's batch full. Default: the
@@ -176,7 +176,7 @@ class Decision:
 class Decider:
     """Reads the shards' durable rows, grades the complete prefix of the decision order as it grows, and decides at
     the ends of rounds. `incumbent`: sample_id and score (per-problem mean correctness) of the evaluation compared
-    with, labelled `vs`. Grading is `grade(rows) -> graded rows` (evaldag.stages.grade_rows with the plan's
+    with, labelled `vs`. Grading is `grade(rows) -> graded rows` (evaldag.pipeline.stages.grade_rows with the plan's
     settings)."""
 
     def __init__(self, plan: EvalPlan, incumbent: pl.DataFrame, vs: str, grade) -> None:
@@ -196,7 +196,7 @@ class Decider:
 
     def _rows(self) -> pl.DataFrame:
         """Every row the shards have made durable: their chunks, or their merged generations once complete."""
-        from evaldag.stages import chunk_files
+        from evaldag.pipeline.stages import chunk_files
 
         frames = []
         for s in range(self.plan.num_shards):

@@ -1,6 +1,6 @@
 """Metrics of n samples per problem: avg@n, pass@k, maj@k, their confidence intervals, and answer grouping.
 
-Every reduction is polars over the graded per-sample table (`evaldag.schema.GRADED_SCHEMA`); numpy only does the
+Every reduction is polars over the graded per-sample table (`evaldag.pipeline.schema.GRADED_SCHEMA`); numpy only does the
 arithmetic that needs no table (the pass@k factor table, the bootstrap over a per-problem vector).
 
 - pass@k is the unbiased estimator of Chen et al. 2021, 1 - C(n-c, k) / C(n, k), in its product form
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from evaldag.metrics import _slug
+from evaldag.scoring.metrics import _slug
 
 # Statuses whose pred is a real, complete answer; every other status (unparseable, timeout, truncated) has no vote.
 _VOTING_STATUSES = ("correct", "wrong")
@@ -182,11 +182,11 @@ def maj_at_k(graded: pl.DataFrame, ks: list[int], answer_key_col: str = "answer_
 @lru_cache(maxsize=8192)
 def _parse_latex(text: str) -> list:
     """Parse an extracted answer; cached because a problem's n preds repeat the same few answers."""
-    from evaldag.grading import _math_verify
+    from evaldag.scoring.grading import _math_verify
 
     parse, _ = _math_verify()
     # Preds are bare LaTeX ("\frac{1}{2}"), which math-verify only reads inside math delimiters; the bare string
-    # is the fallback, as for golds in evaldag.grading._parse_gold.
+    # is the fallback, as for golds in evaldag.scoring.grading._parse_gold.
     return parse("$" + text + "$", parsing_timeout=None) or parse(text, parsing_timeout=None)
 
 
@@ -194,14 +194,14 @@ def math_equivalent(a: str, b: str) -> bool:
     """Whether two extracted answers are mathematically equal according to math-verify (either direction).
 
     math-verify's own timeouts are off (they rely on signal.alarm, which fails outside the main thread), so a
-    pathological pair is unbounded here; the grade stage runs it through evaldag.grading.BoundedCalls, under the
+    pathological pair is unbounded here; the grade stage runs it through evaldag.scoring.grading.BoundedCalls, under the
     grading timeout.
     verify(gold, pred) is not symmetric (the gold side decides e.g. set versus interval readings), so either
     direction counts.
     """
     if a == b:
         return True
-    from evaldag.grading import _math_verify
+    from evaldag.scoring.grading import _math_verify
 
     _, verify = _math_verify()
     pa, pb = _parse_latex(a), _parse_latex(b)

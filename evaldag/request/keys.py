@@ -3,7 +3,7 @@
 Every key that says "the same evaluation" is derived from the *resolved* settings (the model's dtype as
 EVALDAG_DEFAULT_DTYPE or the host resolves it, the engine as EVALDAG_DEFAULT_ENGINE resolves it, the benchmark
 config as it is on disk, the checkpoint's fingerprint) minus NOT_RESULT_SETTINGS: the plan's generation key
-(evaldag.plan: the engine_args in it), and the trigger keys (evaldag.triggers: settings_key, evaluation_id,
+(evaldag.request.plan: the engine_args in it), and the trigger keys (evaldag.events.identity: settings_key, evaluation_id,
 evaluated_key). A setting is result-changing unless it is listed here, so a new setting costs at worst a
 recomputation, never a wrong cache hit. Each entry says why it does not change results; tests/test_keys.py changes
 each entry and checks that the keys stay.

@@ -19,15 +19,16 @@ from os import PathLike
 import polars as pl
 from upath import UPath
 
-from evaldag import faults
-from evaldag import metrics as metricsmod
-from evaldag import decide, store
+from evaldag.pipeline import faults
+from evaldag.scoring import metrics as metricsmod
+from evaldag.decisions import decide
+from evaldag.pipeline import store
 from evaldag.errors import ConfigError
-from evaldag.plan import EvalPlan
-from evaldag.progress import ShardProgress
-from evaldag.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
+from evaldag.request.plan import EvalPlan
+from evaldag.pipeline.progress import ShardProgress
+from evaldag.pipeline.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
                             write_table)
-from evaldag.time_left import TimeLeft
+from evaldag.pipeline.time_left import TimeLeft
 
 log = logging.getLogger("evaldag")
 
@@ -81,13 +82,13 @@ def record_reused(plan: EvalPlan, shard: int) -> None:
 
 # progress(ShardProgress): called as generation starts, as requests finish and running requests generate tokens (at
 # most every PROGRESS_S seconds; a static-batch engine: after each batch), and at the end; the orchestration layer
-# publishes it (evaldag.progress.artifact_progress: a Prefect progress artifact)
+# publishes it (evaldag.pipeline.progress.artifact_progress: a Prefect progress artifact)
 Progress = Callable[[ShardProgress], None]
 
 
 def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None) -> UPath | None:
     """Generate `n` completions for every problem of one shard; write and return the generations file, or None when
-    the evaluation was decided early and its parent asked the shard to stop (evaldag.decide; what was generated
+    the evaluation was decided early and its parent asked the shard to stop (evaldag.decisions.decide; what was generated
     stays in the shard's chunks for a later evaluation).
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
@@ -118,9 +119,9 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
     at once and its rows are written in chunks of finished requests (_PerRequest); a static-batch engine gets every
     missing batch (Engine.generate_batches) and each batch is written as it completes (_PerBatch). Seeds are per
     request or per batch, never per chunk, so the resumed output equals an uninterrupted one. Returns False when it
-    stopped on its parent's request (evaldag.decide) before the end: the chunks stay, nothing is merged."""
+    stopped on its parent's request (evaldag.decisions.decide) before the end: the chunks stay, nothing is merged."""
     from evaldag.engines import engine_for
-    from evaldag.models import check_unchanged
+    from evaldag.request.checkpoint import check_unchanged
 
     inputs = plan.shard_inputs(shard)
     prompts = inputs["prompt"].to_list()
@@ -190,7 +191,7 @@ class _ShardRun:
         self.resumed: dict[str, int] = {}
         self.running_counts: tuple[int, ...] | None = None    # each running sequence's tokens, where reported
         self.time_left: TimeLeft | None = None                # set once `todo` is known
-        self.stopped = False                                  # the parent decided the evaluation (evaldag.decide)
+        self.stopped = False                                  # the parent decided the evaluation (evaldag.decisions.decide)
         self._stop_checked = 0.0
 
     def stop_asked(self) -> bool:
@@ -203,7 +204,7 @@ class _ShardRun:
         return self.stopped
 
     def start_forecast(self, problems: list[int]) -> None:
-        """Forecast the end of these problems' completions (evaldag.time_left)."""
+        """Forecast the end of these problems' completions (evaldag.pipeline.time_left)."""
         self.time_left = TimeLeft(sum(self.runs[i][1] for i in problems), self.plan.sampling.max_new_tokens)
 
     def report(self, force: bool = False) -> None:
@@ -306,14 +307,14 @@ class _PerRequest(_ShardRun):
         self.report(force=True)
         seed = self.plan.sampling.seed
         # a run of samples first..first+count-1 is one request of n = count seeded `seed + first`: vLLM seeds its
-        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.plan.splits_samples)
+        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.request.plan.splits_samples)
         requests = [Request(i, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + self.runs[i][0],
                             n=self.runs[i][1]) for i in self.todo]
         # Submitted in a seeded random order, not the plan's (longest prompt first: harder problems, longer answers,
         # docs/performance.md): the forecast of the end
-        # (evaldag.time_left) reads the requests finished so far as a fair sample of all, which holds only when the
+        # (evaldag.pipeline.time_left) reads the requests finished so far as a fair sample of all, which holds only when the
         # order says nothing of length. It is the evaluation's decision order, the same on every shard, so that a
-        # prefix of it completes first where the evaluation may stop early (evaldag.decide). Completions do not
+        # prefix of it completes first where the evaluation may stop early (evaldag.decisions.decide). Completions do not
         # depend on it (seeds are per request).
         rank = {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), seed))}
         requests.sort(key=lambda r: rank[self.records[r.key]["sample_id"]])
@@ -445,7 +446,7 @@ def _score(plan: EvalPlan, shard: int, out: UPath) -> UPath:
     from dataclasses import replace
 
     from evaldag.engines import EXACT_KL_ENGINES, load_engine
-    from evaldag.models import check_unchanged
+    from evaldag.request.checkpoint import check_unchanged
 
     check_unchanged(plan.resolved_model)
     check_unchanged(plan.resolved_reference, "reference model")
@@ -512,7 +513,7 @@ def _timed_out(graded: UPath) -> bool:
 def _regrade_timeouts(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
     """Grade the timed-out rows of a graded file again (the machine may have been loaded, or the limit raised) and
     rewrite the file; rows that time out again stay "timeout" until the next run."""
-    from evaldag.grading import grade_table
+    from evaldag.scoring.grading import grade_table
 
     graded = read_table(out, GRADED_SCHEMA).with_row_index("_row")
     todo = graded.filter(pl.col("status") == "timeout")
@@ -554,8 +555,8 @@ def _group_answers(plan: EvalPlan, graded: pl.DataFrame, workers: int) -> tuple[
     """assign_answer_groups with every math-verify comparison bounded by the grading timeout, in a worker process
     (workers >= 1; workers=0, the debugging mode, compares in this process without a bound). A comparison that
     times out counts as "not the same answer". Returns the table and the number of comparisons cut."""
-    from evaldag.grading import BoundedCalls
-    from evaldag.sampling_metrics import assign_answer_groups, math_equivalent
+    from evaldag.scoring.grading import BoundedCalls
+    from evaldag.scoring.sampling_metrics import assign_answer_groups, math_equivalent
 
     if workers == 0:
         return assign_answer_groups(graded), 0
@@ -567,7 +568,7 @@ def _group_answers(plan: EvalPlan, graded: pl.DataFrame, workers: int) -> tuple[
 def grade_rows(plan: EvalPlan, gens: pl.DataFrame, workers: int = 1) -> pl.DataFrame:
     """Grade generated rows of this plan (any shards'; the parent grades a stopped evaluation's prefix with it):
     their gold taken from the plan's inputs (see with_current_inputs), answers graded and grouped for maj@k."""
-    from evaldag.grading import grade_table
+    from evaldag.scoring.grading import grade_table
 
     own = [c for c in INPUT_SCHEMA if c not in ("sample_id", "prompt")]
     gens = (gens.drop(own).join(plan.inputs().select("sample_id", *own), on="sample_id", how="left",
@@ -578,7 +579,7 @@ def grade_rows(plan: EvalPlan, gens: pl.DataFrame, workers: int = 1) -> pl.DataF
 
 
 def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
-    from evaldag.grading import grade_table
+    from evaldag.scoring.grading import grade_table
 
     faults.maybe_fail("grade")
     gens = with_current_inputs(read_table(plan.generations_path(shard), GENERATION_SCHEMA), plan, shard)
@@ -623,10 +624,10 @@ def _cache_hit_rate(plan: EvalPlan) -> float:
 def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: list[str] | None = None) -> dict:
     """Merge the shards' graded files, check completeness, compute every metric and the shard diagnostic;
     write samples.parquet (with per-sample rewards) and metrics.json; return the metrics. `only`: the problems the
-    metrics are over when not all of the plan's (an evaluation stopped early: its prefix, evaldag.decide)."""
-    from evaldag.diagnostics import shard_disagreement
-    from evaldag.rewards import combined_reward, reward_metrics
-    from evaldag.sampling_metrics import sampling_metrics
+    metrics are over when not all of the plan's (an evaluation stopped early: its prefix, evaldag.decisions.decide)."""
+    from evaldag.scoring.diagnostics import shard_disagreement
+    from evaldag.scoring.rewards import combined_reward, reward_metrics
+    from evaldag.scoring.sampling_metrics import sampling_metrics
 
     t0 = time.perf_counter()
     graded = pl.concat([read_table(p, GRADED_SCHEMA) for p in graded_paths])
@@ -643,7 +644,7 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     n = plan.sampling.n    # accuracy is avg@n: give it avg@n's interval under its own name too
     result["accuracy_ci_low"], result["accuracy_ci_high"] = result[f"avg@{n}_ci_low"], result[f"avg@{n}_ci_high"]
     if plan.reference is not None:
-        from evaldag.kl import kl_metrics
+        from evaldag.scoring.kl import kl_metrics
 
         logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
         result.update(kl_metrics(logprobs, sampling=plan.sampling))

@@ -15,12 +15,12 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from evaldag import config as cfgmod
+from evaldag.request import config as cfgmod
 from evaldag import paths
 from evaldag.engines import default_engine
 from evaldag.engines.dtype import default_dtype
 from evaldag.errors import CheckpointError
-from evaldag.rules import check_checkpoint
+from evaldag.request.rules import check_checkpoint
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class ResolvedModel:
 
     name: str            # alias, or the folder's name for a plain checkpoint
     path: str            # absolute folder of a Hugging Face-format checkpoint ("<model> @ <base_url>" when served)
-    fingerprint: str     # identity of the weights and generation files (see evaldag.fingerprint); served: server_fingerprint
+    fingerprint: str     # identity of the weights and generation files (see evaldag.request.fingerprint); served: server_fingerprint
     dtype: str
     engine: str
     batch_size: int
@@ -38,13 +38,13 @@ class ResolvedModel:
 
 def validate_checkpoint(folder: Path) -> None:
     """Raise CheckpointError unless `folder` holds config.json, every weight file and a tokenizer
-    (the rule is evaldag.rules.check_checkpoint)."""
+    (the rule is evaldag.request.rules.check_checkpoint)."""
     check_checkpoint(folder, CheckpointError)
 
 
 def fingerprint(folder: Path) -> str:
-    """Content fingerprint of a checkpoint folder: its weights and what shapes generation (evaldag.fingerprint)."""
-    from evaldag.fingerprint import fingerprint as _fingerprint
+    """Content fingerprint of a checkpoint folder: its weights and what shapes generation (evaldag.request.fingerprint)."""
+    from evaldag.request.fingerprint import fingerprint as _fingerprint
 
     return _fingerprint(folder)
 
@@ -155,7 +155,7 @@ def folder_config(folder: Path) -> cfgmod.ModelConfig:
 def run_settings(config: cfgmod.ModelConfig) -> dict:
     """How a model config runs, with the deployment's defaults filled in (EVALDAG_DEFAULT_DTYPE or the host's
     dtype, EVALDAG_DEFAULT_ENGINE): dtype, engine, batch_size, engine_args. resolve_model and the trigger keys
-    (evaldag.triggers) both take them from here, so both see the same resolved dtype."""
+    (evaldag.events.identity) both take them from here, so both see the same resolved dtype."""
     return {"dtype": config.dtype or default_dtype(), "engine": config.engine or default_engine(),
             "batch_size": config.batch_size, "engine_args": dict(config.engine_args)}
 
@@ -174,7 +174,7 @@ def check_unchanged(model: ResolvedModel, role: str = "checkpoint") -> None:
     """Raise CheckpointError unless `model`'s folder still holds what was fingerprinted when the evaluation was
     planned. Results are stored under that fingerprint, so weights removed or rewritten in place since then (a
     trainer that keeps `latest/` or overwrites a step) must stop the shard instead of being generated under the old
-    identity. Cheap when nothing changed: the file-hash cache answers from stat() (evaldag.fingerprint). A served
+    identity. Cheap when nothing changed: the file-hash cache answers from stat() (evaldag.request.fingerprint). A served
     model has no folder here and is not checked. `role` names the model in the message ("reference model")."""
     if model.engine == "openai":
         return

@@ -22,7 +22,7 @@ SCHEMA_VERSION = "2"
 INPUT_SCHEMA: dict[str, pl.DataType] = {
     "sample_id": pl.Utf8,        # stable id of the problem in its dataset (unique_id, id, idx, ...)
     "prompt": pl.Utf8,           # user message: the problem plus the benchmark's instruction
-    "gold": pl.Utf8,             # normalised gold answer (see evaldag.gold.normalize_gold)
+    "gold": pl.Utf8,             # normalised gold answer (see evaldag.scoring.gold.normalize_gold)
     "gold_raw": pl.Utf8,         # gold field exactly as in the dataset
     "subject": pl.Utf8,          # null when the dataset has none
     "level": pl.Int64,           # null when the dataset has none
@@ -74,7 +74,7 @@ def conform(df: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
 
 def write_table(df: pl.DataFrame, path: str | PathLike, schema: dict[str, pl.DataType]) -> UPath:
     """Write `df` (conformed to `schema`) to the result store atomically: readers never see a half-written file."""
-    from evaldag import store
+    from evaldag.pipeline import store
 
     return store.write_parquet(store.as_path(path), conform(df, schema),
                                metadata={"evaldag.schema_version": SCHEMA_VERSION})
@@ -82,7 +82,7 @@ def write_table(df: pl.DataFrame, path: str | PathLike, schema: dict[str, pl.Dat
 
 def read_table(path: str | PathLike, schema: dict[str, pl.DataType]) -> pl.DataFrame:
     """Read a stage file of the result store, checking its schema version and columns."""
-    from evaldag import store
+    from evaldag.pipeline import store
 
     path = store.as_path(path)
     with path.open("rb") as f:
