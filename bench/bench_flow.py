@@ -53,7 +53,7 @@ def _engine_only(plan) -> float:
 
 def _forget(plan) -> None:
     """Delete the evaluation's stage outputs and folder, so the next run computes everything again."""
-    from evaldag.pipeline import store
+    from evaldag.storage import store
 
     store.remove_tree(store.as_path(plan.stage_dir))
     store.remove_tree(store.as_path(plan.result_dir))

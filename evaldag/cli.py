@@ -348,13 +348,13 @@ def flush_events(
 @app.command()
 def sync() -> None:
     """Log to MLflow every finished evaluation of the result store that MLflow lacks (after a tracking outage)."""
-    from evaldag import paths
     from evaldag.runtime import runner
     from evaldag.runtime.stack import Stack
+    from evaldag.storage import store
     from evaldag.tracking.sync import sync as sync_runs
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
-    created = sync_runs(paths.results_dir())
+    created = sync_runs(store.root())
     for run in created:
         typer.echo(f"logged {run.url or run.run_id}")
     typer.echo(f"{len(created)} evaluation(s) logged; everything else was already in MLflow")

@@ -19,13 +19,6 @@ def models_dir() -> Path:
     return Path(env).expanduser().resolve() if env else home() / "models"
 
 
-def results_dir():
-    """The result store's root (see evaldag.pipeline.store.root): `$EVALDAG_RESULTS_URL`, default `<home>/results`."""
-    from evaldag.pipeline import store
-
-    return store.root()
-
-
 def configs_dir() -> Path:
     """Benchmark and model configs: `$EVALDAG_CONFIGS_DIR`, default `configs/` of this repository."""
     env = os.environ.get("EVALDAG_CONFIGS_DIR")

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.decisions.decide import Decider, Decision, graded_prefix_path
 from evaldag.errors import ConfigError
 from evaldag.runtime.deployments import EVAL_FLOW

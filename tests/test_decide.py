@@ -12,10 +12,11 @@ import pytest
 
 from evaldag.decisions import decide
 from evaldag.pipeline import stages
+from evaldag.storage import store
 from evaldag.decisions.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalRequest, resolve
-from evaldag.pipeline.schema import GENERATION_SCHEMA, write_table
+from evaldag.storage.schema import GENERATION_SCHEMA, write_table
 from evaldag.decisions.sequential import sequential_verdict
 from evaldag.pipeline.stages import generate_shard, reduce_results
 import test_stages
@@ -92,8 +93,8 @@ def test_a_stopped_shard_keeps_its_rows_and_a_full_evaluation_generates_only_the
     assert generate_shard(plan, 0) is None
     assert StreamingEngine.in_flight == [2] and stop_requested(plan)
     assert not plan.generations_path(0).exists()
-    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
-    kept = pl.concat([pl.read_parquet(p) for p in stages.chunk_files(chunks)])
+    chunks = store.chunks_dir(plan.generations_path(0))
+    kept = pl.concat([pl.read_parquet(p) for p in store.chunk_files(chunks)])
     kept_ids = set(kept["sample_id"])
     assert 3 <= len(kept_ids) < 8 and kept.height == 2 * len(kept_ids)
 
@@ -123,7 +124,7 @@ def test_the_parent_decides_on_the_complete_prefix_at_round_ends_and_reduces_it(
     plan = _decide_plan(ckpt, results, limit=30, decide_rounds=15)       # a verdict every 2 problems
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 30, "score": [1.0] * 30})   # solved every problem
-    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    chunks = store.chunks_dir(plan.generations_path(0))
     wrong = lambda r: "The answer is \\boxed{-12345}."                  # noqa: E731 - never an AIME answer
     graded_calls = []
 
@@ -170,7 +171,7 @@ def test_an_undecided_evaluation_runs_to_the_end(setup):
     golds = dict(plan.inputs().select("sample_id", "gold").iter_rows())
     incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 6, "score": [1.0] * 6})
     decider = Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows))
-    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    chunks = store.chunks_dir(plan.generations_path(0))
     right = _rows(plan, order, lambda r: f"The answer is \\boxed{{{golds[r['sample_id']]}}}.")
     write_table(right, chunks / "requests-000001.parquet", GENERATION_SCHEMA)
     assert decider.poll() is None

@@ -21,7 +21,7 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterNam
 from prefect.deployments import run_deployment
 
 from cluster_helpers import children, progress_artifacts
-from evaldag.pipeline.schema import GRADE_STATUSES
+from evaldag.storage.schema import GRADE_STATUSES
 from evaldag.tracking.names import experiment_name
 from evaldag.tracking.samples import load_samples
 
@@ -205,7 +205,7 @@ def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):
     # its stored outputs lost (moved aside): computed again, and the figures printed are said to be this run's
     import shutil
 
-    from evaldag.pipeline import store
+    from evaldag.storage import store
     from evaldag.request.plan import load_plan
 
     run_id = out.split("/runs/")[-1].split("?")[0]
@@ -249,10 +249,10 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     and the logged estimates are exactly what the scored log-probs of both models give."""
     import numpy as np
 
-    from evaldag.pipeline import store
+    from evaldag.storage import store
     from evaldag.request.checkpoint import resolve_model
     from evaldag.request.plan import load_plan
-    from evaldag.pipeline.schema import GENERATION_SCHEMA, LOGPROB_SCHEMA, read_table
+    from evaldag.storage.schema import GENERATION_SCHEMA, LOGPROB_SCHEMA, read_table
 
     params = {"limit": 3, "num_shards": 1, "step": 55, "train_run": "kl-check",
               "sampling": {"n": 4, "temperature": 1.0, "max_new_tokens": 16, "seed": 1},

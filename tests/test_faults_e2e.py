@@ -216,7 +216,7 @@ def test_injected_transient_faults_are_retried_with_identical_results(live_stack
     with the same samples and the same metrics as a clean run of the same request, logged to one MLflow run."""
     import polars as pl
 
-    from evaldag.pipeline import store
+    from evaldag.storage import store
     from evaldag.request.checkpoint import resolve_model
 
     folder = resolve_model("smollm2-135m-instruct").path        # a plain folder: batch 32 -> 4 prompts x n=8
@@ -310,7 +310,7 @@ def test_identical_evaluations_started_together_compute_once(live_stack):
 
     The test holds the generation's lock itself until both shard processes are waiting on it, so they really meet
     there (on timing alone the second shard could start after the first had finished, and prove nothing)."""
-    from evaldag.pipeline import store
+    from evaldag.storage import store
     from evaldag.request.plan import EvalRequest, resolve
 
     params = {"limit": 4, "num_shards": 1, "step": 31, "train_run": "twins", "sampling": {"max_new_tokens": 16}}

@@ -23,7 +23,7 @@ from evaldag.scoring.grading import (
     grade_table,
 )
 from evaldag.scoring.gold import normalize_gold
-from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADE_STATUSES, GRADED_SCHEMA
+from evaldag.storage.schema import GENERATION_SCHEMA, GRADE_STATUSES, GRADED_SCHEMA
 
 CASES_FILE = Path(__file__).parent / "cases" / "grading_cases.json"
 CASES = json.loads(CASES_FILE.read_text())
@@ -224,7 +224,7 @@ def test_strip_thinking_reads_the_answer_after_the_reasoning():
     import polars as pl
 
     from evaldag.scoring.grading import strip_thinking
-    from evaldag.pipeline.schema import GENERATION_SCHEMA
+    from evaldag.storage.schema import GENERATION_SCHEMA
 
     assert strip_thinking("<think>maybe 7?</think> The answer is $\\boxed{5}$") == "The answer is $\\boxed{5}$"
     assert strip_thinking("<think>still thinking, 7") == ""

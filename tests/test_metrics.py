@@ -8,7 +8,7 @@ import polars as pl
 import pytest
 
 from evaldag.scoring.metrics import check_complete, system_metrics, task_metrics
-from evaldag.pipeline.schema import GRADED_SCHEMA
+from evaldag.storage.schema import GRADED_SCHEMA
 
 
 def _table(rows: list[dict]) -> pl.DataFrame:

@@ -10,10 +10,10 @@ import polars as pl
 import pytest
 from moto.server import ThreadedMotoServer
 
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalRequest, load_plan, resolve
-from evaldag.pipeline.schema import INPUT_SCHEMA, read_table, write_table
+from evaldag.storage.schema import INPUT_SCHEMA, read_table, write_table
 from conftest import free_ports
 
 BUCKET = "evaldag-test"

@@ -29,9 +29,9 @@ import numpy as np
 import polars as pl
 from upath import UPath
 
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.request.plan import EvalPlan
-from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
+from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
 from evaldag.decisions.sequential import sequential_verdict
 
 # Requests a shard keeps in its engine at once when the evaluation may stop early: few enough that problems finish
@@ -196,12 +196,10 @@ class Decider:
 
     def _rows(self) -> pl.DataFrame:
         """Every row the shards have made durable: their chunks, or their merged generations once complete."""
-        from evaldag.pipeline.stages import chunk_files
-
         frames = []
         for s in range(self.plan.num_shards):
             out = self.plan.generations_path(s)
-            paths = [out] if out.is_file() else chunk_files(out.with_name(out.stem + ".chunks"))
+            paths = [out] if out.is_file() else store.chunk_files(store.chunks_dir(out))
             for p in paths:
                 key = str(p)
                 if key not in self._chunks:

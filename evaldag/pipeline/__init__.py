@@ -1,2 +1,2 @@
-"""The work over files: the per-shard stages and the reduce (stages), the result store (store), the per-sample
-table (schema), live progress and time left, fault injection for drills."""
+"""The work of one evaluation over files: the per-shard stages (generate, grade) and the reduce (stages), a shard's
+live progress and time left, and fault injection for drills (faults)."""

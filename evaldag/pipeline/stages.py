@@ -22,11 +22,11 @@ from upath import UPath
 from evaldag.pipeline import faults
 from evaldag.scoring import metrics as metricsmod
 from evaldag.decisions import decide
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalPlan
 from evaldag.pipeline.progress import ShardProgress
-from evaldag.pipeline.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
+from evaldag.storage.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
                             write_table)
 from evaldag.pipeline.time_left import TimeLeft
 
@@ -125,7 +125,7 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
 
     inputs = plan.shard_inputs(shard)
     prompts = inputs["prompt"].to_list()
-    chunks = out.with_name(out.stem + ".chunks")
+    chunks = store.chunks_dir(out)
     t0 = time.perf_counter()
     check_unchanged(plan.resolved_model)          # before the tokenizer and the engine read the folder
     with engine_for(plan.resolved_model, workload(plan, shard)) as got:
@@ -373,16 +373,11 @@ class _PerRequest(_ShardRun):
         self._pending, self._pending_requests = [], 0
 
 
-def chunk_files(chunks: UPath) -> list[UPath]:
-    """A shard's chunks, batch chunks and request chunks alike, in a fixed order."""
-    return sorted([*chunks.glob("batch-*.parquet"), *chunks.glob("requests-*.parquet")], key=str)
-
-
 def _written_samples(chunks: UPath) -> set[str]:
     """The sample ids whose rows are already in a chunk (a request's n rows are written together)."""
     if not chunks.is_dir():
         return set()
-    return {sid for p in chunk_files(chunks) for sid in read_table(p, GENERATION_SCHEMA)["sample_id"].to_list()}
+    return {sid for p in store.chunk_files(chunks) for sid in read_table(p, GENERATION_SCHEMA)["sample_id"].to_list()}
 
 
 def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:
@@ -420,7 +415,7 @@ def workload(plan: EvalPlan, shard: int):
 def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, runs: list[tuple[int, int]], shard: int) -> pl.DataFrame:
     """The chunks of a shard as one table in the plan's order, checked to hold each problem's run of samples."""
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
-    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in chunk_files(chunks)])
+    df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in store.chunk_files(chunks)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
     expected = sum(count for _, count in runs)
     if df.height != expected:

@@ -133,7 +133,7 @@ class ModelConfig(_Strict):
                              f"(got source {self.source!r}, engine {self.engine!r}): a model behind a running "
                              "server is `source: server, engine: openai, engine_args: {base_url: ..., model: ...}`")
         if self.engine == "openai":
-            from evaldag.engines.openai import validate_engine_args
+            from evaldag.engines.openai_args import validate_engine_args
 
             try:
                 validate_engine_args(self.engine_args)

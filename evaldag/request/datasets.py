@@ -1,6 +1,6 @@
 """Benchmark rows through the `datasets` library: a local mirror when $EVALDAG_DATA_DIR is set, else the hub.
 
-The rows become the `inputs` table (evaldag.pipeline.schema.INPUT_SCHEMA) and a content hash that goes into the eval_key, so a
+The rows become the `inputs` table (evaldag.storage.schema.INPUT_SCHEMA) and a content hash that goes into the eval_key, so a
 changed mirror or a moved hub revision can never be mistaken for the data an earlier result was computed on.
 """
 
@@ -95,6 +95,6 @@ def load_benchmark_rows(cfg: BenchmarkConfig, limit: int | None = None) -> Loade
             "subject": str(r[f.subject]) if f.subject and r.get(f.subject) is not None else None,
             "level": int(r[f.level]) if f.level and r.get(f.level) is not None else None,
         })
-    from evaldag.pipeline.schema import INPUT_SCHEMA
+    from evaldag.storage.schema import INPUT_SCHEMA
     inputs = pl.DataFrame(records, schema=INPUT_SCHEMA)
     return LoadedBenchmark(inputs=inputs, dataset_hash=dataset_hash, source=source, total_rows=len(rows))

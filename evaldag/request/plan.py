@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from upath import UPath
 
 from evaldag import __version__
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.request.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
 from evaldag.request.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
@@ -29,7 +29,7 @@ from evaldag.scoring.grading import GRADER_VERSION
 from evaldag.request.keys import result_engine_args
 from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine
 from evaldag.request.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
-from evaldag.pipeline.schema import INPUT_SCHEMA, read_table, write_table
+from evaldag.storage.schema import INPUT_SCHEMA, read_table, write_table
 from evaldag.decisions.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
 
 # Times the sequential verdict is read, at equal steps of the problems (evaldag.decisions.decide)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from uuid import UUID
 
-from evaldag.pipeline import store
+from evaldag.storage import store
 
 BLOCK_NAME = "evaldag-results"
 

@@ -7,7 +7,7 @@ The comparison itself is math-verify (`parse` + `verify`, gold first). What this
   `signal.alarm`, which raises outside the main thread and cannot interrupt sympy while it is stuck in C code.
 - `grade_many` runs `grade_one` in a pebble process pool with a hard per-item timeout: pebble kills the worker
   process of an item that overruns, which works whatever the worker is doing.
-- `grade_table` applies it to a generations table (`evaldag.pipeline.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`).
+- `grade_table` applies it to a generations table (`evaldag.storage.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`).
 
 math_verify (sympy) and polars are imported lazily, so `import evaldag.scoring.grading` stays cheap for the CLI and for the
 pool's worker processes, which import this module to find `_grade_item`.
@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # (gold normalisation in evaldag.scoring.gold, extraction configs, status rules, math-verify minor version).
 GRADER_VERSION: str = "math-verify-0.9/1"
 
-# Statuses, spelled as in evaldag.pipeline.schema.GRADE_STATUSES (checked by the tests).
+# Statuses, spelled as in evaldag.storage.schema.GRADE_STATUSES (checked by the tests).
 CORRECT, WRONG, UNPARSEABLE, TIMEOUT, TRUNCATED = "correct", "wrong", "unparseable", "timeout", "truncated"
 
 # `pred` is for display in tables and the UI; a runaway extraction (a whole paragraph of LaTeX) is cut here.
@@ -50,7 +50,7 @@ PRED_MAX_CHARS = 200
 
 @dataclass(frozen=True)
 class Grade:
-    """The grade of one completion. `status` is one of `evaldag.pipeline.schema.GRADE_STATUSES`."""
+    """The grade of one completion. `status` is one of `evaldag.storage.schema.GRADE_STATUSES`."""
 
     pred: str | None   # extracted answer as text (also for truncated rows); None when nothing was extracted
     status: str
@@ -326,7 +326,7 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
     """
     import polars as pl
 
-    from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
+    from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
 
     df = conform(df, GENERATION_SCHEMA)
     completions = df["completion"].fill_null("").to_list()

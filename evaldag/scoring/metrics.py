@@ -11,7 +11,7 @@ import re
 
 import polars as pl
 
-from evaldag.pipeline.schema import GRADE_STATUSES
+from evaldag.storage.schema import GRADE_STATUSES
 
 # Figures of how a computation ran (time, memory, throughput, cache use), not of what it found: two computations of
 # one evaluation differ in these and only these (system_metrics' keys, plus reduce's own time and the cache use).

@@ -1,6 +1,6 @@
 """Metrics of n samples per problem: avg@n, pass@k, maj@k, their confidence intervals, and answer grouping.
 
-Every reduction is polars over the graded per-sample table (`evaldag.pipeline.schema.GRADED_SCHEMA`); numpy only does the
+Every reduction is polars over the graded per-sample table (`evaldag.storage.schema.GRADED_SCHEMA`); numpy only does the
 arithmetic that needs no table (the pass@k factor table, the bootstrap over a per-problem vector).
 
 - pass@k is the unbiased estimator of Chen et al. 2021, 1 - C(n-c, k) / C(n, k), in its product form

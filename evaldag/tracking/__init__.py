@@ -6,4 +6,8 @@ write    the track stage: one evaluation's MLflow run, claimed and written by on
 history  a training job's history read back: evaluated checkpoints, the per-step table, its diagnostics and plot
 sync     `evaldag sync`: log the finished evaluations of the result store that MLflow lacks
 samples  a logged run's per-sample table, downloaded back
+incumbent  the job's best evaluation so far, what `decide` compares with
+run_claims atomic get-or-create of an evaluation's run and its writer lease, across processes and hosts
+compare  `evaldag compare`: checkpoints side by side across benchmarks, with forecasts and flags
+report   human-readable summaries (Prefect artifacts, CLI output)
 """

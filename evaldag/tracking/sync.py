@@ -7,7 +7,7 @@ import json
 import logging
 from os import PathLike
 
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.tracking.run_claims import TrackingBusy
 from evaldag.tracking.write import TrackedRun, track
 

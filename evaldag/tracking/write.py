@@ -21,7 +21,8 @@ from typing import Any
 
 import polars as pl
 
-from evaldag.pipeline import faults, store
+from evaldag.pipeline import faults
+from evaldag.storage import store
 from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.request.plan import EvalPlan
 from evaldag.tracking.run_claims import (TrackingBusy, claim_run, current_writer, heartbeat, keeping_lease, lease_seconds,

@@ -13,7 +13,7 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from cluster_helpers import children
-from evaldag.pipeline import store
+from evaldag.storage import store
 from evaldag.decisions.decide import decision_order
 from evaldag.request.plan import load_plan
 from evaldag.tracking.samples import load_samples

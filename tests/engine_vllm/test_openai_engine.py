@@ -304,7 +304,7 @@ def _served_configs(tmp_path: Path, base_url: str, revision: str = "r1") -> Path
 
 def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeypatch):
     from evaldag.request.plan import EvalRequest, resolve
-    from evaldag.pipeline.schema import GRADED_SCHEMA, read_table
+    from evaldag.storage.schema import GRADED_SCHEMA, read_table
     from evaldag.pipeline.stages import grade_shard
 
     monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(_served_configs(tmp_path, server)))

@@ -36,7 +36,7 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     """The real generate and grade stages with engine=vllm (a second engine, started and closed by the stage)."""
     from evaldag import engines
     from evaldag.request.plan import EvalRequest, resolve
-    from evaldag.pipeline.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
+    from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
     from evaldag.pipeline.stages import generate_shard, grade_shard
 
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=1, sampling={"max_new_tokens": 32},
@@ -94,7 +94,7 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
     import time
 
     from evaldag.request.plan import EvalRequest, resolve
-    from evaldag.pipeline.schema import GENERATION_SCHEMA, read_table
+    from evaldag.storage.schema import GENERATION_SCHEMA, read_table
     from evaldag.pipeline import stages
     from evaldag.pipeline.stages import generate_shard
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from evaldag import paths
-from evaldag.pipeline import store
+from evaldag.storage import store
 
 from evaldag.runtime import cluster
 from evaldag.runtime import postgres as pg

@@ -169,3 +169,13 @@ def write_parquet(path: UPath, df, metadata: dict[str, str] | None = None) -> UP
 
 __all__ = ["StorePath", "root", "as_path", "is_local", "write_bytes", "write_text", "write_json", "read_json",
            "remove_tree", "lock", "local_copy", "write_parquet"]
+
+
+def chunks_dir(out: UPath) -> UPath:
+    """Where a stage's output `out` keeps its chunks while it is being generated (`<stem>.chunks/` beside it)."""
+    return out.with_name(out.stem + ".chunks")
+
+
+def chunk_files(chunks: UPath) -> list[UPath]:
+    """A shard's chunks, batch chunks and request chunks alike, in a fixed order."""
+    return sorted([*chunks.glob("batch-*.parquet"), *chunks.glob("requests-*.parquet")], key=str)

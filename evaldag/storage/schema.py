@@ -74,7 +74,7 @@ def conform(df: pl.DataFrame, schema: dict[str, pl.DataType]) -> pl.DataFrame:
 
 def write_table(df: pl.DataFrame, path: str | PathLike, schema: dict[str, pl.DataType]) -> UPath:
     """Write `df` (conformed to `schema`) to the result store atomically: readers never see a half-written file."""
-    from evaldag.pipeline import store
+    from evaldag.storage import store
 
     return store.write_parquet(store.as_path(path), conform(df, schema),
                                metadata={"evaldag.schema_version": SCHEMA_VERSION})
@@ -82,7 +82,7 @@ def write_table(df: pl.DataFrame, path: str | PathLike, schema: dict[str, pl.Dat
 
 def read_table(path: str | PathLike, schema: dict[str, pl.DataType]) -> pl.DataFrame:
     """Read a stage file of the result store, checking its schema version and columns."""
-    from evaldag.pipeline import store
+    from evaldag.storage import store
 
     path = store.as_path(path)
     with path.open("rb") as f:
