@@ -126,8 +126,8 @@ def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: i
         metrics = reduce_task(plan_path, graded)
     if decider is not None and decision is None:     # ran to the end undecided: the verdict over every problem
         with store.local_copy(plan.path("samples.parquet")) as local:
-            decision = decider.final(pl.read_parquet(local, columns=["sample_id", "sample_index", "correct",
-                                                                     "completion_tokens"]))
+            decision = decider.final(pl.read_parquet(local, columns=["sample_id", "sample_index", "shard_index",
+                                                                     "correct", "completion_tokens"]))
         publish(plan, decision)
     if decision is not None:
         decision.save(plan)       # track tags the run from it

@@ -52,7 +52,12 @@ def decide_while_generating(futures: list[PrefectFuture], deciders: dict[str, De
     while True:
         _, running = wait(futures, timeout=every)
         for path, decider in list(deciders.items()):
-            decision = decider.poll()
+            try:
+                decision = decider.poll()
+            except Exception as e:  # noqa: BLE001 - a failed read (the store, grading) only delays the verdict
+                log.warning("decide %s: could not read the shards' rows this time (%s: %s); generation goes on and "
+                            "the next poll tries again", decider.plan.benchmark.name, type(e).__name__, e)
+                continue
             if decision is None:
                 continue
             decider.stop(decision)

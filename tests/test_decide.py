@@ -5,12 +5,13 @@ through the stack is tests/test_decide_e2e.py."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import polars as pl
 import pytest
 
-from evaldag.decisions import decide
+from evaldag.decisions import decide, verdicts
 from evaldag.pipeline import stages
 from evaldag.storage import store
 from evaldag.decisions.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
@@ -48,12 +49,19 @@ def _decide_plan(ckpt, results, limit=8, **options):
 
 
 def test_decide_changes_the_eval_key_not_the_generations(setup):
+    """On vLLM (seeded and scheduled per request) a decided evaluation generates what a full one does, so their rows
+    are shared; a static-batch engine cuts its batches along the decision order instead, which is another
+    generation."""
     ckpt, _, results = setup
-    full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1), results)
-    decided = _decide_plan(ckpt, results)
-    other_margin = _decide_plan(ckpt, results, decide_margin=0.1)
+    full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm"),
+                   results)
+    decided = _decide_plan(ckpt, results, engine="vllm")
+    other_margin = _decide_plan(ckpt, results, decide_margin=0.1, engine="vllm")
     assert decided.generation_key == full.generation_key == other_margin.generation_key
     assert len({full.eval_key, decided.eval_key, other_margin.eval_key}) == 3
+    full_hf = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="hf"),
+                      results)
+    assert _decide_plan(ckpt, results, engine="hf").generation_key != full_hf.generation_key
     assert decided.decide_settings == (0.05, 0.02, 10) and full.decide_settings is None
     with pytest.raises(ConfigError, match="decide .* reference"):
         _decide_plan(ckpt, results, reference=str(ckpt))
@@ -80,11 +88,12 @@ def test_a_stopped_shard_keeps_its_rows_and_a_full_evaluation_generates_only_the
     the stopped run's."""
     ckpt, _, results = streaming
     monkeypatch.setenv("EVALDAG_DECIDE_IN_FLIGHT", "2")
-    plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7})
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
     finished = []
 
     def on_finish(request):
-        finished.append(request.key)
+        finished.append(plan.shard_inputs(0)["sample_id"][request.key])
         if len(finished) == 3:
             stop_path(plan).parent.mkdir(parents=True, exist_ok=True)
             stop_path(plan).write_text("{}")
@@ -97,9 +106,10 @@ def test_a_stopped_shard_keeps_its_rows_and_a_full_evaluation_generates_only_the
     kept = pl.concat([pl.read_parquet(p) for p in store.chunk_files(chunks)])
     kept_ids = set(kept["sample_id"])
     assert 3 <= len(kept_ids) < 8 and kept.height == 2 * len(kept_ids)
+    assert set(finished) == kept_ids        # every request that finished is kept, the one that came with the stop too
 
     full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1,
-                               sampling={"n": 2, "temperature": 0.7}), results)
+                               sampling={"n": 2, "temperature": 0.7}, engine="vllm"), results)
     StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.generated = None, 0.0, []
     rows = pl.read_parquet(generate_shard(full, 0))
     assert len(StreamingEngine.generated) == 8 - len(kept_ids)          # nothing computed twice
@@ -249,3 +259,83 @@ def test_evaldag_run_decide_options_become_the_flows_parameters(monkeypatch):
     assert sent == [("gsm8k", {"limit": 20, "decide": "vs_best", "decide_margin": 0.05})]
     result = CliRunner().invoke(app, ["run", "gsm8k", "--decide-margin", "0.05"])    # a setting of nothing
     assert result.exit_code == 2 and "add --decide" in result.output and len(sent) == 1
+
+
+# ---- found by review: partial evaluations as references, static batches, shards' reused rows ------------------
+
+def _run(run_id, step, accuracy, start, **tags):
+    return SimpleNamespace(info=SimpleNamespace(run_id=run_id, start_time=start),
+                           data=SimpleNamespace(tags={"step": str(step), **tags}, metrics={"accuracy": accuracy}))
+
+
+class _Runs:
+    """What earlier_evaluations reads of MLflow: search_runs, newest first."""
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def search_runs(self, *a, **k):
+        return sorted(self.runs, key=lambda r: -r.info.start_time)
+
+
+def _references(runs, step=300):
+    return verdicts.references(verdicts.earlier_evaluations(_Runs(runs), "1", "job", "key", step))
+
+
+def test_an_evaluation_stopped_as_worse_or_equivalent_is_never_the_best_so_far():
+    """Step 200 stopped `worse` after a prefix that scored 0.60 (the full step 100: 0.50): the best stays step 100;
+    stopped `better`, step 200 is the new best; either way it is the previous checkpoint."""
+    full = _run("full100", 100, 0.50, 1)
+    for verdict, best in (("worse", "full100"), ("equivalent", "full100"), ("better", "stopped200")):
+        refs = _references([full, _run("stopped200", 200, 0.60, 2, **{"decide.status": "stopped",
+                                                                       "decide.verdict": verdict})])
+        assert (refs["best"]["run_id"], refs["previous"]["run_id"]) == (best, "stopped200"), verdict
+    # a decided evaluation that ran to the end is a full one
+    refs = _references([full, _run("done200", 200, 0.60, 2, **{"decide.status": "completed",
+                                                                 "decide.verdict": "undecided"})])
+    assert refs["best"]["run_id"] == "done200"
+
+
+def test_a_full_evaluation_supersedes_a_stopped_one_of_the_same_step_whatever_their_order():
+    for full_start, stopped_start in ((1, 2), (2, 1)):
+        runs = [_run("full200", 200, 0.55, full_start), _run("stopped200", 200, 0.40, stopped_start,
+                                                               **{"decide.status": "stopped"})]
+        (only,) = verdicts.earlier_evaluations(_Runs(runs), "1", "job", "key", 300)
+        assert only["run_id"] == "full200"
+    # two full runs: the latest supersedes, as before
+    (only,) = verdicts.earlier_evaluations(_Runs([_run("a", 200, 0.5, 1), _run("b", 200, 0.6, 2)]), "1", "job",
+                                           "key", 300)
+    assert only["run_id"] == "b"
+
+
+def test_a_static_batch_engine_cuts_its_batches_along_the_decision_order(setup):
+    """Batches by length hold a few problems of every round, so the first round would be complete only when nearly
+    every batch is: with decide, the stand-in's batches of 2 are consecutive problems of the decision order, the
+    first batch the order's first two."""
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results, limit=8, engine="hf")
+    generations = pl.read_parquet(generate_shard(plan, 0))
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
+    # the stand-in's answer is "<prompt length>-<seed + batch index>-<k>": the middle part names the batch
+    batch = {sid: int(text.split("-")[1]) for sid, text in generations.select("sample_id", "completion").iter_rows()}
+    assert [batch[sid] for sid in order] == sorted(batch[sid] for sid in order)
+    assert [len({batch[s] for s in order[lo:lo + 2]}) for lo in range(0, 8, 2)] == [1, 1, 1, 1]
+    assert len(set(batch.values())) == 4
+
+
+def test_a_decision_that_ran_to_the_end_counts_every_shards_reused_rows_as_reused(setup):
+    ckpt, _, results = setup
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=2, decide="vs_best",
+                               engine="vllm"), results)
+    for s in range(2):
+        rows = pl.DataFrame([{**r, "sample_index": 0, "shard_index": s, "completion": "\\boxed{1}",
+                              "completion_ids": [1], "prompt_tokens": 5, "completion_tokens": 10,
+                              "finish_reason": "stop", "latency_s": 0.1, "batch_size": 1}
+                             for r in plan.shard_inputs(s).to_dicts()], schema=GENERATION_SCHEMA)
+        write_table(rows, store.chunks_dir(plan.generations_path(s)) / "requests-000001.parquet", GENERATION_SCHEMA)
+    incumbent = pl.DataFrame({"sample_id": plan.sample_ids(), "n": [1] * 8, "score": [0.0] * 8})
+    decider = Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows))   # every row is there
+    rows = pl.concat([pl.read_parquet(p) for s in range(2)
+                      for p in store.chunk_files(store.chunks_dir(plan.generations_path(s)))])
+    final = decider.final(stages.grade_rows(plan, rows))
+    assert (final.tokens_generated, final.tokens_reused) == (0, 80)

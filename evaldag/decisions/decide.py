@@ -274,10 +274,10 @@ class Decider:
 
     def final(self, samples: pl.DataFrame) -> Decision:
         """The decision of an evaluation that ran to the end without stopping: the verdict over every problem, from
-        its graded samples (sample_id, correct, completion_tokens)."""
+        its graded samples (sample_id, sample_index, shard_index, correct, completion_tokens)."""
         scores = samples.group_by("sample_id").agg(pl.col("correct").cast(pl.Float64).mean())
         self._scores.update(dict(scores.iter_rows()))
-        rows = samples.select("sample_id", "sample_index", "completion_tokens").with_columns(shard_index=pl.lit(0))
+        rows = samples.select("sample_id", "sample_index", "shard_index", "completion_tokens")
         return self._decision(len(self.order), rows, status="completed")
 
 

@@ -196,7 +196,7 @@ def evaluations(benchmarks: list[str] | None = None, train_run: str | list[str] 
                 client=None) -> pl.DataFrame:
     """Finished evaluation runs from MLflow: run_id, train_run, step, benchmark, comparison_key, checkpoint, model,
     start (ms). The latest run per (job, step, benchmark, comparison key) is kept: a re-evaluation supersedes."""
-    from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX
+    from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, stopped_early
 
     if client is None:
         from mlflow import MlflowClient
@@ -212,16 +212,18 @@ def evaluations(benchmarks: list[str] | None = None, train_run: str | list[str] 
                                     filter_string="tags.kind = 'ckpt_eval' and attributes.status = 'FINISHED'"):
             t = r.data.tags
             # the baseline may belong to another job, so every job is read and the filter applies to the rows
-            rows.append({"run_id": r.info.run_id, "train_run": t.get("train_run", t.get("model", "?")),
+            rows.append({"run_id": r.info.run_id, "stopped": stopped_early(t),
+                         "train_run": t.get("train_run", t.get("model", "?")),
                          "step": int(t.get("step", "0") or 0), "benchmark": t.get("benchmark", "?"),
                          "comparison_key": t.get(COMPARISON_TAG), "checkpoint": t.get("checkpoint"),
                          "model": t.get("model"), "start": r.info.start_time,
                          "asked": not jobs or t.get("train_run") in jobs})
-    schema = {"run_id": pl.Utf8, "train_run": pl.Utf8, "step": pl.Int64, "benchmark": pl.Utf8,
+    schema = {"run_id": pl.Utf8, "stopped": pl.Boolean, "train_run": pl.Utf8, "step": pl.Int64, "benchmark": pl.Utf8,
               "comparison_key": pl.Utf8, "checkpoint": pl.Utf8, "model": pl.Utf8, "start": pl.Int64,
               "asked": pl.Boolean}
     df = pl.DataFrame(rows, schema=schema)
-    return (df.sort("start", descending=True)
+    # a full evaluation supersedes one that stopped early (evaldag.decisions.decide), else the latest
+    return (df.sort(["stopped", "start"], descending=[False, True])
             .unique(["train_run", "step", "benchmark", "comparison_key"], keep="first")
             .sort("train_run", "benchmark", "comparison_key", "step"))
 
@@ -353,28 +355,39 @@ def verdict_settings(environ: Mapping[str, str] | None = None) -> tuple[float, f
 
 def earlier_evaluations(client, experiment_id: str, train_run: str, comparison: str, step: int) -> list[dict]:
     """The job's finished evaluations with comparison key `comparison` at steps before `step`, oldest step first:
-    run_id, step, accuracy (the logged metric), label (JOB@STEP). The latest run per step: a re-evaluation
-    supersedes, as in `evaluations`."""
-    from evaldag.tracking.names import COMPARISON_TAG
+    run_id, step, accuracy (the logged metric), label (JOB@STEP), stopped and verdict (of an evaluation that
+    stopped early, evaldag.decisions.decide). The latest run per step: a re-evaluation supersedes, as in
+    `evaluations`; a full evaluation supersedes one that stopped early whatever their order."""
+    from evaldag.tracking.names import COMPARISON_TAG, DECIDE_VERDICT_TAG, stopped_early
 
     runs = client.search_runs([experiment_id], filter_string=(
         f"tags.train_run = '{train_run}' and tags.`{COMPARISON_TAG}` = '{comparison}' and tags.kind = 'ckpt_eval' "
         "and attributes.status = 'FINISHED'"), order_by=["attributes.start_time DESC"], max_results=5000)
     by_step: dict[int, dict] = {}
-    for r in runs:
+    for r in sorted(runs, key=lambda r: stopped_early(r.data.tags)):     # stable: newest first within each kind
         their_step = int(r.data.tags.get("step", "0") or 0)
         if their_step < step and their_step not in by_step and "accuracy" in r.data.metrics:
             by_step[their_step] = {"run_id": r.info.run_id, "step": their_step,
-                                   "accuracy": float(r.data.metrics["accuracy"]), "label": f"{train_run}@{their_step}"}
+                                   "accuracy": float(r.data.metrics["accuracy"]), "label": f"{train_run}@{their_step}",
+                                   "stopped": stopped_early(r.data.tags),
+                                   "verdict": r.data.tags.get(DECIDE_VERDICT_TAG)}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def references(earlier: list[dict]) -> dict[str, dict]:
     """The previous evaluation (highest earlier step) and the best so far (highest accuracy; a tie goes to the
-    earlier checkpoint, the first to reach it, as in `pair_job_evaluations`) among `earlier` (oldest first)."""
+    earlier checkpoint, the first to reach it, as in `pair_job_evaluations`) among `earlier` (oldest first).
+
+    An evaluation that stopped early may be the best only if it was decided `better` than the best before it: one
+    decided worse or equivalent was shown not to beat it on paired problems, and its accuracy, over a prefix of
+    the problems, is too noisy to outrank full evaluations by chance (the largest of noisy figures is biased up)."""
     if not earlier:
         return {}
-    return {"previous": earlier[-1], "best": max(earlier, key=lambda e: (e["accuracy"], -e["step"]))}
+    eligible = [e for e in earlier if not e.get("stopped") or e.get("verdict") == "better"]
+    out = {"previous": earlier[-1]}
+    if eligible:
+        out["best"] = max(eligible, key=lambda e: (e["accuracy"], -e["step"]))
+    return out
 
 
 def download_samples(client, run_id: str) -> pl.DataFrame:

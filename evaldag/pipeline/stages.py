@@ -246,12 +246,24 @@ class _PerBatch(_ShardRun):
                               f"generation); {type(self.engine).__name__} samples a prompt's n completions "
                               "together. Evaluate it again with engine=vllm, or with num_shards=1")
         self.batches = self.engine.plan_batches(self.prompts, self.plan.sampling)
+        if self.plan.request.decide is not None:
+            self.batches = self._along_the_decision_order(self.batches)
         self.todo = [(b, [self.prompts[i] for i in idx]) for b, idx in enumerate(self.batches)
                      if not self._chunk(b).is_file()]
         todo_ids = {b for b, _ in self.todo}
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
         self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
         self.start_forecast([i for b, _ in self.todo for i in self.batches[b]])
+
+    def _along_the_decision_order(self, batches: list[list[int]]) -> list[list[int]]:
+        """The same number of prompts per batch, cut along the evaluation's decision order (evaldag.decisions.decide)
+        instead of by length: batches by length each hold a few problems of every round, so the first round would be
+        complete only when nearly every batch is. This costs padding (a batch runs until its longest completion),
+        and changes what each batch generates, so the plan's generation key says so (evaldag.request.plan)."""
+        per_batch = max((len(b) for b in batches), default=1)
+        rank = {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), self.plan.sampling.seed))}
+        order = sorted(range(len(self.prompts)), key=lambda i: rank[self.records[i]["sample_id"]])
+        return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
 
     def _chunk(self, b: int) -> UPath:
         return self.chunks / f"batch-{b:05d}-of-{len(self.batches):05d}.parquet"
@@ -327,8 +339,6 @@ class _PerRequest(_ShardRun):
         try:
             with contextlib.closing(self.engine.generate_requests(requests, self.plan.sampling, **options)) as events:
                 for event in events:
-                    if self.stop_asked():
-                        break
                     if isinstance(event, Finished):
                         self._finished(event.key, event.completions)
                     elif event.tokens is not None:
@@ -340,6 +350,9 @@ class _PerRequest(_ShardRun):
                         if self.done < len(self.prompts):
                             faults.maybe_fail("generate")
                     self.report()
+                    # after the event: a request that finished is kept (its tokens are spent) before the stop
+                    if self.stop_asked():
+                        break
         except BaseException:
             # a failure the process survives (engine error, Ctrl-C) keeps what finished before it for the retry;
             # a failed write must not hide the failure itself

@@ -10,7 +10,7 @@ import polars as pl
 
 from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.tracking import client as tracking_client
-from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name
+from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name, stopped_early
 
 
 def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
@@ -33,10 +33,11 @@ _HISTORY_SCHEMA = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.F
 
 
 def _history_rows(runs) -> dict[str, list[dict]]:
-    """Per training job, one row per step from `runs` (newest first: the latest finished run per step wins)."""
+    """Per training job, one row per step from `runs` (newest first: the latest finished run per step wins, and a
+    full evaluation wins over one that stopped early, evaldag.decisions.decide)."""
     rows: dict[str, list[dict]] = {}
     seen: set[tuple[str, float]] = set()
-    for r in runs:
+    for r in sorted(runs, key=lambda r: stopped_early(r.data.tags)):     # stable: newest first within each kind
         m, job = r.data.metrics, r.data.tags.get("train_run", "")
         if "step" not in m or (job, m["step"]) in seen or "reward/mean" not in m:
             continue

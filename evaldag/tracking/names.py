@@ -12,6 +12,15 @@ EXPERIMENT_PREFIX = "evaldag"
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
 COMPARISON_TAG = "evaldag.comparison_key"
 SETTINGS_TAG = "evaldag.settings_key"
+# An evaluation that stopped early (evaldag.decisions.decide) is tagged decide.status=stopped: its accuracy is over a
+# prefix of the problems. At a step, a full evaluation supersedes it whatever their order, and only one decided
+# `better` may become the job's best so far.
+DECIDE_STATUS_TAG, DECIDE_VERDICT_TAG = "decide.status", "decide.verdict"
+
+
+def stopped_early(tags: dict) -> bool:
+    """Whether a run's tags say it stopped before its last problem (a prefix evaluation)."""
+    return tags.get(DECIDE_STATUS_TAG) == "stopped"
 # MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
 # charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
