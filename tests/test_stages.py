@@ -9,14 +9,17 @@ import shutil
 import threading
 import time
 
+import polars as pl
 import pytest
+from upath import UPath
 
 from conftest import complete_checkpoint
 from evaldag import engines, paths
 from evaldag.pipeline import stages
-from evaldag.engines.base import Completion, EngineBase
+from evaldag.engines.base import Completion, EngineBase, Finished, Running, request_seed
 from evaldag.request.plan import EvalRequest, resolve
-from evaldag.pipeline.stages import generate_shard, grade_shard
+from evaldag.storage.schema import GENERATION_SCHEMA, write_table
+from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
 
 
 class CountingEngine(EngineBase):
@@ -567,3 +570,80 @@ def test_a_shards_inputs_are_read_once_per_process(setup, monkeypatch):
     generate_shard(load_plan(path), 0)
     grade_shard(load_plan(path), 0)
     assert reads == [str(load_plan(path).path("inputs.parquet"))]
+
+
+# ---- found by review: answer groups of split problems, the merge's check --------------------------------------
+
+class VotingEngine(StreamingEngine):
+    """Answers by sample index: sample 0 says 7 (wrong), 1 and 2 the gold, 3 says 9 (wrong). maj@4 is then
+    correct for every problem (the gold has 2 votes, each wrong answer 1)."""
+
+    base: dict = {}       # prompt -> request_seed(seed, sample id)
+    gold: dict = {}       # prompt -> gold
+
+    def generate_requests(self, requests, sampling, max_in_flight=None):
+        for r in requests:
+            yield Running(tokens=0, counts=())
+            comps = []
+            for k in range(r.n or sampling.n):
+                index = r.seed + k - type(self).base[r.prompt]
+                answer = {0: "7", 3: "9"}.get(index, str(int(type(self).gold[r.prompt])))
+                comps.append(Completion(text=f"\\boxed{{{answer}}}", token_ids=[1, 2], prompt_tokens=5,
+                                        completion_tokens=2, finish_reason="stop", latency_s=0.01,
+                                        batch_size=len(requests)))
+            yield Finished(r.key, comps)
+
+
+def _metrics(plan):
+    rows = plan.inputs()
+    VotingEngine.base = {p: request_seed(plan.sampling.seed, s)
+                         for p, s in zip(rows["prompt"].to_list(), rows["sample_id"].to_list())}
+    VotingEngine.gold = dict(zip(rows["prompt"].to_list(), rows["gold"].to_list()))
+    paths = []
+    for s in range(plan.num_shards):
+        generate_shard(plan, s)
+        paths.append(grade_shard(plan, s, workers=0))
+    return reduce_results(plan, paths)
+
+
+def test_maj_at_k_of_a_split_plan_equals_the_unsplit_one(streaming, monkeypatch):
+    """Answer groups are numbered per shard at grading; a split problem's samples come from several shards, so
+    group 0 of shard A and group 0 of shard B (different answers) are counted as one answer in maj@k."""
+    ckpt, _, results = streaming
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: VotingEngine())
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    sampling = {"n": 4, "temperature": 0.7}
+    whole = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=1, engine="vllm",
+                                sampling=sampling), results / "a")
+    split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2, engine="vllm",
+                                sampling=sampling), results / "b")
+    assert whole.sample_runs is None and split.sample_runs is not None
+    m_whole, m_split = _metrics(whole), _metrics(split)
+    assert m_whole["avg@4"] == m_split["avg@4"] == 0.5
+    assert m_whole["maj@4"] == 1.0
+    assert m_split["maj@4"] == m_whole["maj@4"]
+
+
+def test_merge_chunks_refuses_a_duplicated_request_that_hides_a_missing_one(tmp_path):
+    """Two writers of one shard's chunks (an object store, whose lock holds on one machine only; chunk names are
+    numbered per process) can leave request a written twice and request b not at all: the row count still matches,
+    so _merge_chunks' count-only check passes and the generations file is cached with a duplicate and a hole."""
+
+    inputs = pl.DataFrame({"sample_id": ["a", "b"], "prompt": ["pa", "pb"], "gold": ["1", "2"],
+                           "gold_raw": ["1", "2"], "subject": [None, None], "level": [None, None]},
+                          schema={"sample_id": pl.Utf8, "prompt": pl.Utf8, "gold": pl.Utf8, "gold_raw": pl.Utf8,
+                                  "subject": pl.Utf8, "level": pl.Int64})
+
+    def rows(sid):
+        return pl.DataFrame([{"sample_id": sid, "prompt": "p" + sid, "gold": "1", "gold_raw": "1", "subject": None,
+                              "level": None, "sample_index": k, "shard_index": 0, "completion": "x",
+                              "completion_ids": [1], "prompt_tokens": 1, "completion_tokens": 1,
+                              "finish_reason": "stop", "latency_s": 0.0, "batch_size": 1} for k in range(2)],
+                            schema=GENERATION_SCHEMA)
+
+    chunks = UPath(tmp_path / "generations.chunks")
+    chunks.mkdir()
+    write_table(rows("a"), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    write_table(rows("a"), chunks / "requests-000002.parquet", GENERATION_SCHEMA)   # the other writer's copy
+    with pytest.raises(RuntimeError):
+        stages._merge_chunks(chunks, inputs, [(0, 2), (0, 2)], 0)

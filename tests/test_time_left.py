@@ -84,3 +84,16 @@ def test_seconds_left_come_from_the_recent_rate():
     assert third.tokens_per_s == pytest.approx(3.0)
     est.finish([50])
     assert est.estimate(220, []).seconds_left == 0.0
+
+
+def test_a_finished_sample_of_a_running_request_is_not_counted_as_not_started():
+    """vLLM drops a request's finished sample from its running set while the siblings run, and reports the request
+    once all n are done: with the caller saying how many were never handed to the engine, the dropped one costs
+    nothing, where it used to be charged a whole completion (E[L], here 100 tokens)."""
+    now = [0.0]
+    est = TimeLeft(completions=8, cap=100, min_span_s=0.0, clock=lambda: now[0])   # 2 requests of n = 4
+    est.finish([100, 100, 100, 100])                                    # the first request, all four 100 long
+    # the second: one sample finished (dropped), three running at 40 tokens; nothing waits outside the engine
+    assert est.estimate(460, [40, 40, 40], not_started=0).tokens_left == 3 * 60
+    assert est.estimate(460, [40, 40, 40]).tokens_left == 3 * 60 + 100        # unknown: the old reading
+    assert est.estimate(460, [40, 40, 40], not_started=4).tokens_left == 3 * 60 + 100   # at most the unfinished

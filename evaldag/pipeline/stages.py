@@ -215,11 +215,15 @@ class _ShardRun:
         self._published = now
         # never backwards: a finished request's final count can be below what its last running report estimated
         self._reported_tokens = max(self._reported_tokens, self.tokens + self.running_tokens)
-        est = self.time_left.estimate(self.tokens + self.running_tokens, self.running_counts) \
-            if self.time_left is not None else None
+        est = self.time_left.estimate(self.tokens + self.running_tokens, self.running_counts,
+                                      self.not_started()) if self.time_left is not None else None
         self._progress(ShardProgress(self.done, len(self.prompts), self._reported_tokens,
                                      est.tokens_per_s if est else None, est.tokens_left if est else None,
                                      est.seconds_left if est else None, self.plan.progress_unit))
+
+    def not_started(self) -> int | None:
+        """Sequences not handed to the engine yet, where known (None: every unfinished one that is not running)."""
+        return None
 
     def rows(self, i: int, completions: list) -> list[dict]:
         """One row per completion of problem `i`: its input row plus what the engine returned."""
@@ -332,6 +336,11 @@ class _PerRequest(_ShardRun):
         requests.sort(key=lambda r: rank[self.records[r.key]["sample_id"]])
         window = decide.in_flight(self.plan)
         options = {} if window is None else {"max_in_flight": window}
+        # the engine takes requests in this order, `window` at a time (all when None), the next as one finishes
+        sizes = [r.n or self.plan.sampling.n for r in requests]
+        self._unsubmitted = [sum(sizes[k:]) for k in range(len(sizes) + 1)]     # sequences from request k on
+        self._window = len(requests) if window is None else window
+        self._finished_here = 0
         if window is not None:      # the parent decides on written rows: a window's worth at a time at least
             every_requests = min(every_requests, window)
         # closing(): a failure must also withdraw the requests still in the engine, which stays loaded for the
@@ -364,7 +373,16 @@ class _PerRequest(_ShardRun):
         self.running_tokens, self.running_counts = 0, ()
         self.report(force=True)
 
+    def not_started(self) -> int | None:
+        """The sequences of the requests not handed to the engine yet: with the engine's running counts known, any
+        other unfinished sequence is a finished sample of a request whose siblings still run (vLLM drops it from
+        its running set), which has nothing left to generate."""
+        if self.running_counts is None or not hasattr(self, "_unsubmitted"):
+            return None
+        return self._unsubmitted[min(len(self._unsubmitted) - 1, self._window + self._finished_here)]
+
     def _finished(self, i: int, completions: list) -> None:
+        self._finished_here += 1
         if not self._pending:
             self._pending_since = time.perf_counter()
         self._pending.extend(self.rows(i, completions))
@@ -430,10 +448,14 @@ def _merge_chunks(chunks: UPath, inputs: pl.DataFrame, runs: list[tuple[int, int
     order = pl.DataFrame({"sample_id": inputs["sample_id"], "_pos": list(range(inputs.height))})
     df = (pl.concat([read_table(p, GENERATION_SCHEMA) for p in store.chunk_files(chunks)])
           .join(order, on="sample_id").sort("_pos", "sample_index").drop("_pos"))
-    expected = sum(count for _, count in runs)
-    if df.height != expected:
-        raise RuntimeError(f"shard {shard}: {df.height} generated rows in {chunks}, expected "
-                           f"{expected}; delete that folder to regenerate the shard")
+    want = {(sid, first + k) for sid, (first, count) in zip(inputs["sample_id"], runs) for k in range(count)}
+    got = list(zip(df["sample_id"], df["sample_index"]))
+    if len(got) != len(want) or set(got) != want:
+        # a duplicate can hide a gap in a count (two writers of one shard's chunks): check the pairs themselves
+        extra, missing = len(got) - len(set(got)), len(want - set(got))
+        raise RuntimeError(f"shard {shard}: the rows in {chunks} are not each (problem, sample) of the shard once: "
+                           f"{len(got)} rows for {len(want)}, {extra} repeated, {missing} missing; delete that "
+                           "folder to regenerate the shard")
     return df
 
 
@@ -642,6 +664,10 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     expected = plan.sample_ids() if only is None else only
     metricsmod.check_complete(graded, expected, plan.sampling.n)
     graded = graded.sort(["sample_id", "sample_index"])
+    if plan.sample_runs is not None:
+        # a problem's samples come from several shards, whose graders numbered answer groups each on its own:
+        # maj@k must vote over groups of the whole problem
+        graded = _group_answers(plan, graded.drop("answer_group"), workers=1)[0]
     result = {
         **metricsmod.task_metrics(graded),
         **sampling_metrics(graded, plan.pass_k),

@@ -85,17 +85,20 @@ class TimeLeft:
         """Completions that finished, with their lengths in tokens."""
         self.finished.extend(int(n) for n in lengths)
 
-    def estimate(self, tokens_so_far: int, running: Sequence[int] | None) -> Estimate:
+    def estimate(self, tokens_so_far: int, running: Sequence[int] | None, not_started: int | None = None) -> Estimate:
         """The forecast now, given the tokens generated so far (this run's, all completions) and the token counts
         of the running completions (None where the engine does not report them: then every unfinished completion
-        counts as not started)."""
+        counts as not started). `not_started`, where the caller knows it, counts the completions not handed to the
+        engine yet; the others that are neither finished nor running have finished without being reported one by
+        one (a sample of an n-sample request whose siblings still run) and have nothing left to generate."""
         now = self.clock()
         if tokens_so_far > 0 or self._history:        # the rate counts from the first token (prefill is slower)
             self._history.append((now, tokens_so_far))
         while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
             self._history.popleft()
         running = list(running or [])
-        not_started = max(self.completions - len(self.finished) - len(running), 0)
+        unfinished = max(self.completions - len(self.finished) - len(running), 0)
+        not_started = unfinished if not_started is None else min(max(not_started, 0), unfinished)
         left = tokens_left(self.finished, running, not_started, self.cap)
         t0, tok0 = self._history[0] if self._history else (now, tokens_so_far)
         rate = (tokens_so_far - tok0) / (now - t0) if now > t0 and tokens_so_far > tok0 else None

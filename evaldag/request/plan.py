@@ -348,8 +348,10 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     train_run = request.train_run or _default_train_run(request.checkpoint, model)
     decide = {} if request.decide is None else {"decide": [request.decide, request.decide_alpha,
                                                            request.decide_margin, request.decide_rounds]}
+    # answer groups for maj@k are made over all shards of a split problem at the reduce (before, per shard: wrong)
+    regrouped = {} if runs is None else {"answer_groups": "across-shards"}
     eval_key = compute_eval_key({
-        **decide,    # absent when not asked for: older keys stay valid
+        **decide, **regrouped,    # absent when not asked for: older keys stay valid
         "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
         "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
     })
