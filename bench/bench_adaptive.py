@@ -11,17 +11,19 @@ Difficulty models (stated, not fitted):
 A fresh problem set is drawn for every simulated evaluation; samples are Bernoulli(p) given p. The target of the
 estimate and of the interval is the drawn set's mean solve rate (the problem set held fixed).
 
-Printed per model (adaptive: n0 = 4, floor = 4, at most 64 per problem):
+Printed per model, for two adaptive designs (at most 64 samples per problem): n0 = 12, floor = 4 (the default, the
+best of bench/study_adaptive.py's design study) and n0 = 4, floor = 4 (the earlier default):
 - oracle: the fraction of fixed n = 32's samples that Neyman's allocation with the solve rates known would need for
   the same standard error (mean sqrt(p(1-p)))^2 / mean p(1-p): no design that allocates by problem does better;
 - for budgets of 0.35 to 1.0 x fixed n = 32's samples: the root mean squared error of the adaptive estimate over
   fixed n = 32's (1.0 = as precise), the mean reported interval width over fixed n = 32's (same interval method),
   the bias of the estimate in percentage points (with its standard error), and the coverage of the 95 % interval;
-- samples needed to match fixed n = 32's precision: the budget where the RMSE ratio crosses 1 (interpolated);
+- samples needed to match fixed n = 32's precision: the budget where the mean width ratio crosses 1 (interpolated;
+  the RMSE ratio is far noisier at these run counts: bench/study_adaptive.py has 4000-run figures);
 - for contrast, the bias of the naive estimate (each problem's mean of all its samples) on the same runs;
 - target_ci_width mode: with the target set to fixed n = 32's width on the same set, the samples spent and the width
   reached.
-Run: .venv/bin/python bench/bench_adaptive.py   (about 75 s on 2 cores; --runs 1000 --math-runs 60: 152 s)
+Run: .venv/bin/python bench/bench_adaptive.py   (about 150 s on 2 cores)
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import polars as pl
 from evaldag.decisions.adaptive import AdaptiveSettings, estimate, next_round
 
 FIXED_N = 32
-ADAPTIVE = {"n0": 4, "floor": 4, "max_per_problem": 64}
+DESIGNS = {"n0=12 (default)": {"n0": 12, "floor": 4, "max_per_problem": 64},
+           "n0=4 (earlier default)": {"n0": 4, "floor": 4, "max_per_problem": 64}}
 LEVEL_COUNTS = (43, 90, 105, 128, 134)      # bench_decide.py's MATH-500 model
 LEVEL_MEANS = (0.85, 0.70, 0.55, 0.40, 0.20)
 KAPPA = 1.5
@@ -96,41 +99,44 @@ def scenario(name: str, draw, runs: int, fractions: tuple[float, ...], rng: np.r
           f"oracle Neyman allocation needs {oracle:.2f} x fixed n=32's samples")
     print(f"  fixed n=32: RMSE {ref_rmse * 100:.2f} points, mean width {ref_width.mean() * 100:.2f} points, "
           f"bias {ref_err.mean() * 100:+.3f} pp, coverage {ref_cover:.1%}")
-    print(f"  {'budget':>7} {'RMSE/fixed':>10} {'width/fixed':>11} {'bias pp':>16} {'coverage':>9} "
-          f"{'naive bias pp':>13}")
-    ratios = []
-    for frac in fractions:
-        settings = AdaptiveSettings(**ADAPTIVE, budget=int(frac * FIXED_N * m))
-        out = [evaluate(p, settings, rng) for p in sets]
-        err = np.array([e.mean for e, _ in out]) - truth
-        naive = np.array([n for _, n in out]) - truth
-        width = np.array([e.ci_high - e.ci_low for e, _ in out])
-        cover = np.mean([e.ci_low <= t <= e.ci_high for (e, _), t in zip(out, truth)])
-        rmse = float(np.sqrt(np.mean(err ** 2)))
-        ratios.append(rmse / ref_rmse)
-        bias_se = err.std(ddof=1) / np.sqrt(runs)
-        print(f"  {frac:>6.2f}x {rmse / ref_rmse:>10.2f} {width.mean() / ref_width.mean():>11.2f} "
-              f"{err.mean() * 100:>+8.3f} +- {bias_se * 100:.3f} {cover:>9.1%} {naive.mean() * 100:>+13.2f}")
-    above = [i for i, r in enumerate(ratios) if r <= 1.0]
-    if not above:
-        need = f"more than {fractions[-1]:.2f}x"
-    elif above[0] == 0:
-        need = f"at most {fractions[0]:.2f}x"
-    else:   # linear interpolation of the RMSE ratio between the two budgets around 1
-        i = above[0]
-        f0, f1, r0, r1 = fractions[i - 1], fractions[i], ratios[i - 1], ratios[i]
-        need = f"{f0 + (r0 - 1) / (r0 - r1) * (f1 - f0):.2f}x"
-    print(f"  samples to match fixed n=32's precision: {need} (goal <= 0.5x)")
-    target_runs = sets[: max(runs // 4, 50)]
-    spent, reached = [], []
-    for p, e in zip(target_runs, ref):
-        settings = AdaptiveSettings(**ADAPTIVE, target_ci_width=e.ci_high - e.ci_low)
-        got, _ = evaluate(p, settings, rng)
-        spent.append(got.samples / (FIXED_N * m))
-        reached.append((got.ci_high - got.ci_low) / (e.ci_high - e.ci_low))
-    print(f"  target_ci_width = fixed n=32's width: median samples {np.median(spent):.2f}x, median width reached "
-          f"{np.median(reached):.2f}x the target ({len(target_runs)} runs; the plan caps at "
-          f"{ADAPTIVE['max_per_problem']} per problem)")
+    for label, design in DESIGNS.items():
+        print(f"  adaptive {label}: {design}")
+        print(f"  {'budget':>7} {'RMSE/fixed':>10} {'width/fixed':>11} {'bias pp':>16} {'coverage':>9} "
+              f"{'naive bias pp':>13}")
+        ratios = []
+        usable = [f for f in fractions if f * FIXED_N >= design["n0"] + design["floor"]]   # pays round 1 + floor
+        for frac in usable:
+            settings = AdaptiveSettings(**design, budget=int(frac * FIXED_N * m))
+            out = [evaluate(p, settings, rng) for p in sets]
+            err = np.array([e.mean for e, _ in out]) - truth
+            naive = np.array([n for _, n in out]) - truth
+            width = np.array([e.ci_high - e.ci_low for e, _ in out])
+            cover = np.mean([e.ci_low <= t <= e.ci_high for (e, _), t in zip(out, truth)])
+            rmse = float(np.sqrt(np.mean(err ** 2)))
+            ratios.append(width.mean() / ref_width.mean())
+            bias_se = err.std(ddof=1) / np.sqrt(runs)
+            print(f"  {frac:>6.2f}x {rmse / ref_rmse:>10.2f} {width.mean() / ref_width.mean():>11.2f} "
+                  f"{err.mean() * 100:>+8.3f} +- {bias_se * 100:.3f} {cover:>9.1%} {naive.mean() * 100:>+13.2f}")
+        above = [i for i, r in enumerate(ratios) if r <= 1.0]
+        if not above:
+            need = f"more than {usable[-1]:.2f}x"
+        elif above[0] == 0:
+            need = f"at most {usable[0]:.2f}x"
+        else:   # linear interpolation of the width ratio between the two budgets around 1
+            i = above[0]
+            f0, f1, r0, r1 = usable[i - 1], usable[i], ratios[i - 1], ratios[i]
+            need = f"{f0 + (r0 - 1) / (r0 - r1) * (f1 - f0):.2f}x"
+        print(f"  samples to match fixed n=32's interval width: {need} (goal <= 0.5x)")
+        target_runs = sets[: max(runs // 4, 50)]
+        spent, reached = [], []
+        for p, e in zip(target_runs, ref):
+            settings = AdaptiveSettings(**design, target_ci_width=e.ci_high - e.ci_low)
+            got, _ = evaluate(p, settings, rng)
+            spent.append(got.samples / (FIXED_N * m))
+            reached.append((got.ci_high - got.ci_low) / (e.ci_high - e.ci_low))
+        print(f"  target_ci_width = fixed n=32's width: median samples {np.median(spent):.2f}x, median width reached "
+              f"{np.median(reached):.2f}x the target ({len(target_runs)} runs; the plan caps at "
+              f"{design['max_per_problem']} per problem)")
 
 
 def main() -> None:
@@ -141,10 +147,10 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     start = time.perf_counter()
-    print(f"adaptive: {ADAPTIVE}; fixed: n={FIXED_N}; intervals at 95 % for the drawn problem set")
-    scenario("AIME-like", aime_like, args.runs, (0.35, 0.5, 0.75, 1.0), rng)
-    scenario("AIME, Beta only", aime_beta_only, args.runs // 2, (0.5, 0.75, 1.0), rng)
-    scenario("MATH-500-like", math500_like, args.math_runs, (0.5, 0.75, 1.0), rng)
+    print(f"fixed: n={FIXED_N}; intervals at 95 % for the drawn problem set")
+    scenario("AIME-like", aime_like, args.runs, (0.35, 0.5, 0.75, 0.85, 1.0), rng)
+    scenario("AIME, Beta only", aime_beta_only, args.runs // 2, (0.5, 0.75, 0.9, 1.0), rng)
+    scenario("MATH-500-like", math500_like, args.math_runs, (0.5, 0.75, 0.9, 1.0), rng)
     print(f"\nwall time {time.perf_counter() - start:.1f} s")
 
 

@@ -49,14 +49,6 @@ def _log_binom(n: int, k: np.ndarray) -> np.ndarray:
     return gammaln(n + 1) - gammaln(k + 1) - gammaln(n - k + 1)
 
 
-def _a_of_b(b: np.ndarray, n0: int) -> np.ndarray:
-    """The a that makes T unbiased for a given b (the recursion of the module docstring, equations k = 0..n0)."""
-    a = np.zeros(n0 + 1)
-    for k in range(1, n0 + 1):
-        a[k] = k * (1.0 - a[k - 1] - b[k - 1]) / (n0 + 1 - k)
-    return a
-
-
 def _stratum_moments(n0: int, alpha: float, beta: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """For each s: E[pi_s(p)], E[pi_s(p) p], E[pi_s(p) p^2], E[pi_s(p) p (1-p)] under p ~ Beta(alpha, beta), where
     pi_s(p) = C(n0,s) p^s (1-p)^(n0-s)."""
@@ -76,28 +68,32 @@ def optimal_weights(n0: int, n1: np.ndarray, alpha: float, beta: float) -> TwoSt
     if n1.shape != (n0 + 1,) or (n1 < 0).any():
         raise ValueError(f"n1 must hold n0 + 1 = {n0 + 1} non-negative sizes, got {n1.tolist()}")
     free = np.flatnonzero(n1 > 0)
+    if not free.size:
+        return TwoStageWeights(n0=n0, n1=n1, a=np.arange(n0 + 1) / n0, b=np.zeros(n0 + 1))
+    m0, m1, m2, mpq = _stratum_moments(n0, alpha, beta)
+    inv_n1 = np.where(n1 > 0, 1.0 / np.maximum(n1, 1), 0.0)
+    # Unknowns x = (a[0..n0], b[free]); minimise E[T^2] = sum_s m0 a^2 + 2 m1 a b + (m2 + mpq / n1) b^2 subject to
+    # the n0 + 2 Bernstein equations (n0 + 1 - k) a(k) + k (a(k-1) + b(k-1)) = k (module docstring), solved together
+    # as one KKT system. (Eliminating a through the recursion instead multiplies rounding errors by up to C(n0, k):
+    # at n0 = 24 with a U-shaped prior it gave weights of +-33 and Var(T | p = 0.5) of 17, at n0 = 16 errors of 3e-6.)
+    na, nb = n0 + 1, free.size
+    H = np.zeros((na + nb, na + nb))
+    H[np.arange(na), np.arange(na)] = m0
+    H[free, na + np.arange(nb)] = H[na + np.arange(nb), free] = m1[free]
+    H[na + np.arange(nb), na + np.arange(nb)] = m2[free] + mpq[free] * inv_n1[free]
+    C = np.zeros((n0 + 2, na + nb))
+    k = np.arange(n0 + 2)
+    C[k[:-1], k[:-1]] = n0 + 1 - k[:-1]                 # (n0 + 1 - k) a(k)
+    C[k[1:], k[:-1]] += k[1:]                            # k a(k-1)
+    C[free + 1, na + np.arange(nb)] = free + 1           # k b(k-1)
+    scale = 1.0 / np.sqrt(np.diag(H))                    # equilibrate: strata of little prior mass have tiny m0
+    Hs, Cs = H * scale[:, None] * scale[None, :], C * scale[None, :]
+    kkt = np.block([[Hs, Cs.T], [Cs, np.zeros((n0 + 2, n0 + 2))]])
+    rhs = np.concatenate([np.zeros(na + nb), k.astype(np.float64)])
+    x = np.linalg.lstsq(kkt, rhs, rcond=None)[0][: na + nb] * scale
     b = np.zeros(n0 + 1)
-    if free.size:
-        a0 = _a_of_b(b, n0)
-        # a is affine in b: a = a0 + M b (columns: the recursion's response to each free b[s])
-        M = np.stack([_a_of_b(np.eye(n0 + 1)[j], n0) - a0 for j in free], axis=1)
-        g = M[n0].copy()                             # the constraint a(n0) + b(n0) = 1, with a0(n0) = 1 already
-        if n0 in free:
-            g[np.flatnonzero(free == n0)[0]] += 1.0
-        m0, m1, m2, mpq = _stratum_moments(n0, alpha, beta)
-        inv_n1 = np.where(n1 > 0, 1.0 / np.maximum(n1, 1), 0.0)
-        # E[T^2] = sum_s m0 a^2 + 2 m1 a b + (m2 + mpq / n1) b^2, in terms of the free b
-        D_p = np.zeros((n0 + 1, free.size))
-        D_p[free, np.arange(free.size)] = m1[free]
-        H = M.T @ (m0[:, None] * M) + M.T @ D_p + D_p.T @ M + np.diag(m2[free] + mpq[free] * inv_n1[free])
-        c = M.T @ (m0 * a0) + D_p.T @ a0
-        if np.allclose(g, 0.0):
-            sol = np.linalg.solve(H, -c)
-        else:
-            kkt = np.block([[H, g[:, None]], [g[None, :], np.zeros((1, 1))]])
-            sol = np.linalg.solve(kkt, np.concatenate([-c, [0.0]]))[:-1]
-        b[free] = sol
-    return TwoStageWeights(n0=n0, n1=n1, a=_a_of_b(b, n0), b=b)
+    b[free] = x[na:]
+    return TwoStageWeights(n0=n0, n1=n1, a=x[:na], b=b)
 
 
 def estimates(w: TwoStageWeights, first_correct: np.ndarray, second_correct: np.ndarray) -> np.ndarray:
