@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 from scipy.optimize import minimize
-from scipy.special import betaln, gammaln, expit
+from scipy.special import betaln, expit
 from scipy.stats import norm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
