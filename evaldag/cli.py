@@ -354,10 +354,16 @@ def sync() -> None:
     from evaldag.tracking.sync import sync as sync_runs
 
     runner.point_clients_at_stack(Stack(), need_prefect=False)
-    created = sync_runs(store.root())
+    failed: list[tuple[str, str]] = []
+    created = sync_runs(store.root(), failed)
     for run in created:
         typer.echo(f"logged {run.url or run.run_id}")
-    typer.echo(f"{len(created)} evaluation(s) logged; everything else was already in MLflow")
+    typer.echo(f"{len(created)} evaluation(s) logged; everything else was already in MLflow"
+               + (f", except {len(failed)} that could not be logged:" if failed else ""))
+    for plan_file, why in failed:
+        typer.secho(f"  {plan_file}: {why}", fg="red")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -162,6 +162,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
             raise CheckpointError(f"{where}: the folder name {name!r} says step {named}, the event says step "
                                   f"{event.step}; send the step the checkpoint was saved at (or a folder named "
                                   "after it)")
+    _check_links_stay_inside(real, roots, where)
     if marker is not None and not (real / marker).is_file():
         raise CheckpointError(f"{where}: {raw} has no {marker} marker; the trainer writes it once the checkpoint "
                               "is complete, so it is still being written (or the trainer does not write markers)")
@@ -170,6 +171,18 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return event.model_copy(update={"path": str(real)})
+
+
+def _check_links_stay_inside(folder: Path, roots: list[Path], where: str) -> None:
+    """Refuse a checkpoint whose files link out of the allowed roots: the folder being inside is not enough when its
+    weights, config or tokenizer are symlinks to any file the worker can read (another team's model)."""
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in [*dirnames, *filenames]:
+            entry = Path(dirpath) / name
+            if entry.is_symlink() and not any(_real(entry).is_relative_to(r) for r in roots):
+                raise CheckpointError(f"{where}: {entry} links to {_real(entry)}, outside the allowed checkpoint "
+                                      f"roots ({', '.join(str(r) for r in roots)}); copy the file into the "
+                                      "checkpoint or add its root to " + ROOTS_ENV)
 
 
 def _complete(folder: Path, marker: str | None) -> str | None:
@@ -207,6 +220,11 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
                 log.info("skipping %s: it resolves outside %s", child, root)
                 continue
             step = parse_step(child.name)
+            target = parse_step(_real(child).name) if child.is_symlink() else None
+            if step is not None and target is not None and target != step:
+                log.info("skipping %s: its name says step %d, the folder it links to (%s) step %d", child, step,
+                         _real(child), target)
+                continue
             if step is None:
                 if depth == 0:
                     visit(child, 1)
@@ -220,7 +238,12 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
                 log.info("skipping incomplete checkpoint %s: %s", child, why)
 
     visit(root, 0)
-    return sorted(found, key=lambda sp: (sp[0], str(sp[1])))
+    # one folder reached both by its own name and through a link is one checkpoint: the link is dropped (it would
+    # file the same evaluation under a second train run)
+    kept: dict[Path, tuple[int, Path]] = {}
+    for step, folder in sorted(found, key=lambda sp: (sp[1].is_symlink(), str(sp[1]))):
+        kept.setdefault(_real(folder), (step, folder))
+    return sorted(kept.values(), key=lambda sp: (sp[0], str(sp[1])))
 
 
 __all__ = ["CheckpointEvent", "STEP_PATTERNS", "ROOTS_ENV", "TRAIN_RUN_PATTERN", "parse_step",

@@ -166,6 +166,9 @@ def evaluated_key(checkpoint: str | Path, step: int, benchmark: str,
 
 
 def train_run_of(checkpoint: Path, root: Path) -> str:
-    """The training job a discovered checkpoint belongs to: <root>/<run>/<ckpt> -> run, <root>/<ckpt> -> root name."""
+    """The training job a discovered checkpoint belongs to: <root>/<run>/<ckpt> -> run, <root>/<ckpt> -> root name,
+    as a valid train run name (the same as `evaldag run` makes of a folder: evaldag.request.rules.train_run_name)."""
+    from evaldag.request.rules import train_run_name
+
     parent = checkpoint.parent
-    return parent.name if parent != root else root.name
+    return train_run_name(parent.name if parent != root else root.name)

@@ -395,11 +395,10 @@ def _pass_k(requested: list[int] | None, configured: list[int] | None, n: int) -
 
 def _default_train_run(checkpoint: str, model: ResolvedModel) -> str:
     """A checkpoint folder belongs to the run folder holding it (/ckpts/run-42/checkpoint-1200 -> run-42)."""
-    import re
+    from evaldag.request.rules import train_run_name
 
     folder = Path(model.path)
-    name = folder.parent.name if checkpoint != model.name else model.name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "default"
+    return train_run_name(folder.parent.name if checkpoint != model.name else model.name)
 
 
 # Plans this process has read or written, newest last. The key holds the file's identity, not only its path: a test

@@ -23,6 +23,13 @@ from typing import Any
 # A train run names a spool folder and a Prefect resource id, so it admits no path separators and no spaces.
 TRAIN_RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 TRAIN_RUN_RULE = "letters, digits, '.', '_', '-'; at most 128 characters"
+
+
+def train_run_name(name: str) -> str:
+    """A folder's name as a train run name (TRAIN_RUN_PATTERN): other characters become '-' ("run 42" -> "run-42"),
+    at most 128 characters, "default" when nothing is left."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")[:128].rstrip("-._")
+    return cleaned or "default"
 # A benchmark name is a config file stem (configs/benchmarks/<name>.yaml) and a deployment name (eval/<name>).
 BENCHMARK_PATTERN = r"^[a-z0-9][a-z0-9_-]*$"
 # An MLflow run id (32 hex digits from the server; other tracking back ends use other alphabets, hence the margin).

@@ -14,9 +14,12 @@ from evaldag.tracking.write import TrackedRun, track
 log = logging.getLogger("evaldag")
 
 
-def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
+def sync(results_root: str | PathLike | None = None,
+         failed: list[tuple[str, str]] | None = None) -> list[TrackedRun]:
     """Log every finished evaluation in the result store that MLflow does not have yet (e.g. the tracking server
-    was down longer than the track task's retries); returns the runs it created."""
+    was down longer than the track task's retries); returns the runs it created. One evaluation that cannot be
+    logged (a damaged plan.json, a refused write) does not stop the others: it is appended to `failed` as
+    (plan file, why) and logged."""
     from evaldag.request.plan import load_plan
 
     root = store.as_path(results_root) if results_root is not None else store.root()
@@ -29,6 +32,11 @@ def sync(results_root: str | PathLike | None = None) -> list[TrackedRun]:
             run = track(load_plan(plan_file), json.loads(metrics_file.read_text()))
         except TrackingBusy as e:         # being logged right now by its own evaluation
             log.warning("skipping %s: %s", plan_file, e)
+            continue
+        except Exception as e:  # noqa: BLE001 - one bad evaluation must not keep the rest out of MLflow
+            log.error("could not log %s: %s: %s", plan_file, type(e).__name__, e)
+            if failed is not None:
+                failed.append((str(plan_file), f"{type(e).__name__}: {e}"))
             continue
         if run.created:
             created.append(run)

@@ -88,7 +88,7 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
 
     Claimed atomically (evaldag.tracking.run_claims): evaluations of one job finishing at once on different hosts agree on
     one parent. A parent logged before claims existed (the oldest one) is claimed as it is."""
-    if requested:
+    if requested and _usable_parent(client, requested, train_run):
         return requested
     exp_id = ensure_experiment(client, JOBS_EXPERIMENT)
 
@@ -104,6 +104,25 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
     run_id, _ = claim_run(client, exp_id, f"train_run:{train_run}", candidate, legacy)
     client.set_tag(run_id, "kind", "train_job")
     return run_id
+
+
+def _usable_parent(client, run_id: str, train_run: str) -> bool:
+    """Whether the parent run an event or a request names (untrusted input) may get this job's curve: it exists, is
+    not an evaluation's run, and is not another job's parent. Otherwise the job's own parent run is used, with a
+    warning: a wrong id must neither strand the evaluation (every retry failing the same way) nor write into
+    somebody else's run."""
+    try:
+        tags = client.get_run(run_id).data.tags
+    except Exception as e:  # noqa: BLE001 - MLflow says "not found" in several exception types
+        log.warning("mlflow_parent_run_id %s: no such run (%s: %s); the job's own parent run gets the curve",
+                    run_id, type(e).__name__, str(e)[:200])
+        return False
+    if tags.get("kind") == "ckpt_eval" or tags.get("train_run", train_run) != train_run:
+        log.warning("mlflow_parent_run_id %s is %s, not this job's (%s) run; the job's own parent run gets the "
+                    "curve", run_id, "an evaluation's run" if tags.get("kind") == "ckpt_eval"
+                    else f"job {tags.get('train_run')!r}'s run", train_run)
+        return False
+    return True
 
 
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s: float | None = None,
@@ -133,7 +152,9 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         _flag_differing_results(client, run_id, metrics, flow_run_id or owner)
         return TrackedRun(run_id, exp_id, False, run_url(uri, exp_id, run_id))
     current = client.get_run(run_id)
-    writing = _Writing(client, run_id, current_writer(current)[0], int(time.time() * 1000), plan.request.step)
+    # every metric point is stamped with the run's start: MLflow keeps one point per (key, time, step, value), so a
+    # retried or taken-over track writes the same points again instead of a second one at the step
+    writing = _Writing(client, run_id, current_writer(current)[0], int(current.info.start_time), plan.request.step)
     with keeping_lease(client, run_id, owner, writing.generation, lease_s):
         _log_results(writing, plan, metrics, tags, None if created else current)
         faults.maybe_fail("track")   # a drill: the run exists half-logged; the retry must finish it, not start another

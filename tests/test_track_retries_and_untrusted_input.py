@@ -1,0 +1,201 @@
+"""Tracking retried and untrusted input, without a server (a local SQLite MLflow store): a retried track logs each
+point once, a wrong parent run id from an event neither strands the run nor writes into another's run, `evaldag
+sync` goes past an evaluation it cannot log; the sweeper and the event validator on symlinks and folder names."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import complete_checkpoint
+
+
+@pytest.fixture
+def sqlite_mlflow(tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    import mlflow
+    mlflow.set_tracking_uri(uri)
+    return uri
+
+
+@pytest.fixture
+def configs(tmp_path, monkeypatch):
+    from evaldag import paths
+    folder = tmp_path / "configs"
+    shutil.copytree(paths.REPO_ROOT / "configs", folder)
+    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(folder))
+    return folder
+
+
+def _plan(tmp_path: Path, step: int, train_run: str):
+    from evaldag.request.plan import EvalRequest, resolve
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / train_run / f"checkpoint-{step}")
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), step=step, limit=2, num_shards=1,
+                               train_run=train_run), tmp_path / "results")
+    pl.DataFrame({"sample_id": ["a", "b"], "correct": [True, False]}).write_parquet(plan.path("samples.parquet"))
+    plan.path("metrics.json").write_text(json.dumps(_metrics()))
+    return plan
+
+
+def _metrics():
+    return {"accuracy": 0.5, "reward/mean": 0.5, "reward/std": 0.5, "n_samples": 2.0}
+
+
+def test_retried_track_logs_each_metric_once_at_its_step(sqlite_mlflow, configs, tmp_path, monkeypatch):
+    """A track task that died after logging metrics, retried by Prefect (same flow run), must not leave two
+    points at the step (own run and the job's parent run)."""
+    import time
+    from mlflow import MlflowClient
+    from evaldag.pipeline import faults
+    from evaldag.tracking.write import track
+
+    plan = _plan(tmp_path, 100, "retry-run")
+
+    def die(point):
+        if point == "track":
+            raise RuntimeError("died half-way")
+
+    monkeypatch.setattr(faults, "maybe_fail", die)
+    with pytest.raises(RuntimeError):
+        track(plan, _metrics(), flow_run_id="fr-A")
+    time.sleep(0.01)
+    monkeypatch.setattr(faults, "maybe_fail", lambda p: None)
+    run = track(plan, _metrics(), flow_run_id="fr-A")
+    client = MlflowClient()
+    hist = client.get_metric_history(run.run_id, "accuracy")
+    assert len(hist) == 1, [(m.step, m.timestamp, m.value) for m in hist]
+
+
+def test_retry_after_artifact_failure_logs_parent_curve_once(sqlite_mlflow, configs, tmp_path, monkeypatch):
+    """Died after the parent run got its headline point (e.g. in the artifact upload): the retry adds a second
+    point at the same step to the job's parent curve."""
+    from mlflow import MlflowClient
+    from evaldag.tracking import write
+
+    plan = _plan(tmp_path, 200, "retry-parent")
+    real = write._log_artifacts
+    calls = []
+
+    def flaky(w, p):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("artifact store hiccup")
+        return real(w, p)
+
+    monkeypatch.setattr(write, "_log_artifacts", flaky)
+    with pytest.raises(OSError):
+        write.track(plan, _metrics(), flow_run_id="fr-B")
+    run = write.track(plan, _metrics(), flow_run_id="fr-B")
+    client = MlflowClient()
+    parent = client.get_run(run.run_id).data.tags["evaldag.parent_run_id"]
+    keys = [k for k in client.get_run(parent).data.metrics if k.endswith("/accuracy")]
+    hist = client.get_metric_history(parent, keys[0])
+    assert len(hist) == 1, [(m.step, m.timestamp) for m in hist]
+
+
+def test_unknown_parent_run_id_from_event_does_not_strand_the_run(sqlite_mlflow, configs, tmp_path):
+    """mlflow_parent_run_id comes from the (untrusted) event; one that does not exist must not leave the
+    evaluation's run RUNNING forever (every retry and every `evaldag sync` fails the same way)."""
+    from mlflow import MlflowClient
+    from evaldag.request.plan import EvalRequest, resolve
+    from evaldag.tracking.write import track
+
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / "job" / "checkpoint-300")
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), step=300, limit=2, num_shards=1,
+                               train_run="job", mlflow_parent_run_id="0123456789abcdef0123456789abcdef"),
+                   tmp_path / "results")
+    pl.DataFrame({"sample_id": ["a", "b"], "correct": [True, False]}).write_parquet(plan.path("samples.parquet"))
+    plan.path("metrics.json").write_text(json.dumps(_metrics()))
+    for _ in range(2):
+        try:
+            run = track(plan, _metrics(), flow_run_id="fr-C")
+            break
+        except Exception as e:  # noqa: BLE001
+            err = e
+    else:
+        pytest.fail(f"track never succeeds: {type(err).__name__}: {str(err)[:200]}")
+    assert MlflowClient().get_run(run.run_id).info.status == "FINISHED"
+
+
+def test_sweeper_reads_step_of_symlinked_alias_not_of_target(tmp_path):
+    """<root>/alias/step_5 -> <root>/run/checkpoint-1200: discover reports step 5 for the folder the sweeper then
+    resolves to checkpoint-1200 (events refuse exactly this mismatch)."""
+    from evaldag.events.checkpoint_event import discover_checkpoints
+
+    root = tmp_path / "ckpts"
+    real = complete_checkpoint(root / "run" / "checkpoint-1200")
+    (root / "alias").mkdir()
+    (root / "alias" / "step_5").symlink_to(real)
+    found = {(s, p.resolve()) for s, p in discover_checkpoints(root)}
+    assert (5, real.resolve()) not in found, found
+
+
+def test_sweeper_train_run_of_a_folder_name_is_a_valid_train_run(tmp_path):
+    """The CLI sanitises a run folder's name into a train_run (plan._default_train_run); the sweeper passes it raw,
+    so every checkpoint under '/ckpts/run 42/' fails EvalRequest validation and is never evaluated."""
+    from evaldag.events.identity import train_run_of
+    from evaldag.request.rules import check_train_run
+
+    root = tmp_path / "ckpts"
+    ckpt = complete_checkpoint(root / "run 42" / "checkpoint-100")
+    check_train_run(train_run_of(ckpt, root))
+
+
+def test_event_refuses_checkpoint_files_that_link_outside_the_roots(tmp_path):
+    """The folder is contained, its files are not: weights/config/tokenizer may be symlinks to any file the worker
+    can read (another team's model, a private file), and evaldag loads and fingerprints them."""
+    from evaldag.errors import CheckpointError
+    from evaldag.events.checkpoint_event import validate_checkpoint_event
+
+    outside = complete_checkpoint(tmp_path / "private" / "secret-model")
+    root = tmp_path / "ckpts"
+    ckpt = root / "run" / "checkpoint-7"
+    ckpt.mkdir(parents=True)
+    for f in outside.iterdir():
+        (ckpt / f.name).symlink_to(f)
+    with pytest.raises(CheckpointError):
+        validate_checkpoint_event({"path": str(ckpt), "step": 7, "train_run": "run"}, [root])
+
+
+def test_a_parent_run_of_another_job_or_an_evaluation_is_not_written(sqlite_mlflow, configs, tmp_path):
+    from mlflow import MlflowClient
+    from evaldag.tracking.write import track
+
+    other = _plan(tmp_path, 100, "other-job")
+    other_run = track(other, _metrics(), flow_run_id="fr-D")
+    other_parent = MlflowClient().get_run(other_run.run_id).data.tags["evaldag.parent_run_id"]
+    for named in (other_run.run_id, other_parent):
+        plan = _plan(tmp_path / named, 200, "my-job")
+        plan = plan.model_copy(update={"request": plan.request.model_copy(update={"mlflow_parent_run_id": named})})
+        run = track(plan, _metrics(), flow_run_id=f"fr-{named}")
+        used = MlflowClient().get_run(run.run_id).data.tags["evaldag.parent_run_id"]
+        assert used not in (other_run.run_id, other_parent)
+        assert MlflowClient().get_run(used).data.tags["train_run"] == "my-job"
+
+
+def test_sync_logs_the_others_when_one_evaluation_cannot_be_logged(sqlite_mlflow, configs, tmp_path):
+    from evaldag.tracking.sync import sync
+
+    good = _plan(tmp_path, 100, "sync-job")
+    bad = _plan(tmp_path, 200, "sync-job")
+    bad.path("plan.json").write_text("{not json")
+    failed = []
+    created = sync(tmp_path / "results", failed)
+    assert [r.created for r in created] == [True]
+    assert [f for f, _ in failed] == [str(bad.path("plan.json"))] and "ValidationError" in failed[0][1]
+    assert created[0].run_id and good.path("plan.json").is_file()
+
+
+def test_a_linked_alias_of_a_discovered_checkpoint_is_one_checkpoint(tmp_path):
+    from evaldag.events.checkpoint_event import discover_checkpoints
+
+    root = tmp_path / "ckpts"
+    real = complete_checkpoint(root / "run" / "checkpoint-1200")
+    (root / "latest").mkdir()
+    (root / "latest" / "checkpoint-1200").symlink_to(real)
+    assert discover_checkpoints(root) == [(1200, root / "run" / "checkpoint-1200")]
