@@ -113,9 +113,12 @@ def _usable_parent(client, run_id: str, train_run: str) -> bool:
     somebody else's run."""
     try:
         tags = client.get_run(run_id).data.tags
-    except Exception as e:  # noqa: BLE001 - MLflow says "not found" in several exception types
-        log.warning("mlflow_parent_run_id %s: no such run (%s: %s); the job's own parent run gets the curve",
-                    run_id, type(e).__name__, str(e)[:200])
+    except Exception as e:
+        # only "no such run" is the request's fault; any other failure (the server down) is the track's to retry
+        if getattr(e, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
+            raise
+        log.warning("mlflow_parent_run_id %s: no such run (%s); the job's own parent run gets the curve", run_id,
+                    str(e)[:200])
         return False
     if tags.get("kind") == "ckpt_eval" or tags.get("train_run", train_run) != train_run:
         log.warning("mlflow_parent_run_id %s is %s, not this job's (%s) run; the job's own parent run gets the "
