@@ -432,3 +432,21 @@ def test_trainer_module_imports_no_heavy_dependencies():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("code", [401, 403, 404])
+def test_a_refused_sender_keeps_its_events_until_the_server_takes_them(server, tmp_path, caplog, monkeypatch, code):
+    """An expired key (401/403) or a wrong api_url (404) is the sender's problem, not the event's: the events stay
+    spooled in order, nothing goes to rejected/, and they are sent once the server takes them (the key is read at
+    each send, so a rotated one is used at once)."""
+    server.script = [code, code]
+    n = _notifier(server.url, tmp_path)
+    with caplog.at_level(logging.WARNING, logger="evaldag.client.notifier"):
+        first = n.notify(tmp_path, 7)
+        second = n.notify(tmp_path, 8)
+    assert not list((tmp_path / "spool" / "rejected").glob("*.json"))
+    assert len(n.pending()) == 2 and f"HTTP {code}" in caplog.text
+    assert len(server.received) == 2                          # one try each: a retry would be refused the same way
+    monkeypatch.setenv("PREFECT_API_KEY", "rotated")
+    third = n.notify(tmp_path, 9)
+    assert server.ids[-3:] == [first, second, third] and n.pending() == []

@@ -43,6 +43,9 @@ log = logging.getLogger("evaldag.client.notifier")
 EVENT_NAME = "evaldag.checkpoint.saved"
 RESOURCE_PREFIX = "evaldag.train-run."
 _RETRYABLE_4XX = (408, 429)                            # request timeout, rate limited: the payload is fine
+# Refusals of the sender, not of the event: a missing or expired key, no permission, a wrong api_url. The events
+# stay spooled, in order, until whoever runs the trainer fixes it; nothing is moved to rejected/.
+_HELD_4XX = (401, 403, 404)
 _MIN_ATTEMPT_S = 0.05                                  # no HTTP attempt is started with less time than this left
 _BACKOFF_CAP_S = 2.0
 
@@ -162,7 +165,7 @@ class EvalTrigger:
 # Delivery: one HTTP POST with retries, and the spool folder
 # ---------------------------------------------------------------------------------------------------------------
 
-_OK, _REJECTED, _TRANSIENT, _NO_TIME = "ok", "rejected", "transient", "no-time"
+_OK, _REJECTED, _TRANSIENT, _NO_TIME, _HELD = "ok", "rejected", "transient", "no-time", "held"
 _seq = itertools.count()
 _name_lock = threading.Lock()
 _last_ns = 0
@@ -199,6 +202,8 @@ def _post(api_url: str, body: bytes, timeout: float, headers: dict[str, str]) ->
             detail = e.read(300).decode("utf-8", "replace")
         except Exception:
             detail = ""
+        if e.code in _HELD_4XX:
+            return _HELD, e.code, detail
         if 400 <= e.code < 500 and e.code not in _RETRYABLE_4XX:
             return _REJECTED, e.code, detail
         return _TRANSIENT, e.code, detail
@@ -276,7 +281,9 @@ def _reject(spool_dir: Path, file: Path | None, event: dict, why: str) -> None:
 
 
 def _refusal(status: int | None, detail: str) -> str:
-    hint = " (is api_url right? it usually ends in /api)" if status == 404 else ""
+    hint = {404: " (is api_url right? it usually ends in /api)",
+            401: " (is PREFECT_API_KEY or PREFECT_API_AUTH_STRING set and current?)",
+            403: " (does the key allow writing events?)"}.get(status or 0, "")
     return f"the server refused it with HTTP {status}: {detail.strip()[:300]!r}{hint}"
 
 
@@ -311,6 +318,10 @@ def _flush_dir(spool_dir: Path, api_url: str, deadline: float | None, *, timeout
             delivered += 1
         elif outcome == _REJECTED:
             _reject(spool_dir, file, event, _refusal(status, detail))
+        elif outcome == _HELD:
+            log.warning("spooled checkpoint events kept until Prefect at %s takes them: %s; %d pending in %s",
+                        api_url, _refusal(status, detail), len(_pending(spool_dir)), spool_dir)
+            return delivered, outcome
         else:
             log.info("spooled checkpoint events not delivered yet (%s); %d left in %s",
                      detail or f"HTTP {status}", len(_pending(spool_dir)), spool_dir)
@@ -386,7 +397,6 @@ class CheckpointNotifier:
                           else Path(os.environ.get("EVALDAG_HOME", Path.home() / ".evaldag")).expanduser()
                           / "spool" / train_run).absolute()
         self.timeout_s, self.max_block_s, self.retries, self.backoff_s = timeout_s, max_block_s, retries, backoff_s
-        self._headers = _auth_headers()
         self._lock = threading.Lock()
         self._server_down = False
         self._warned_no_url = False
@@ -501,19 +511,25 @@ class CheckpointNotifier:
             if state != "done":
                 # Older events are still waiting (server down or out of time): queue behind them, keep the order.
                 self._spool(event)
-                why = "it is down or failing" if state == _TRANSIENT else f"max_block_s={self.max_block_s} ran out"
+                why = {_TRANSIENT: "it is down or failing", _HELD: "it refuses this sender: see the warning above"}.get(
+                    state, f"max_block_s={self.max_block_s} ran out")
                 log.warning("older checkpoint events could not be sent to Prefect at %s (%s); event %s for step %s "
                             "is spooled behind them in %s, %d pending", self.api_url, why, event["id"],
                             event["payload"]["step"], self.spool_dir, len(self.pending()))
                 return
             outcome, status, detail = _deliver(self.api_url, event, deadline, self.timeout_s,
                                                0 if self._server_down else self.retries, self.backoff_s,
-                                               self._headers)
+                                               _auth_headers())
             if outcome == _OK:
                 self._server_down = False
                 log.debug("checkpoint event %s delivered (step %s)", event["id"], event["payload"]["step"])
             elif outcome == _REJECTED:
                 _reject(self.spool_dir, None, event, _refusal(status, detail))
+            elif outcome == _HELD:
+                self._spool(event)
+                log.warning("Prefect at %s did not take checkpoint event %s for step %s: %s; spooled to %s, %d "
+                            "pending, sent once it does", self.api_url, event["id"], event["payload"]["step"],
+                            _refusal(status, detail), self.spool_dir, len(self.pending()))
             else:
                 self._server_down = self._server_down or outcome == _TRANSIENT
                 self._spool(event)
@@ -528,7 +544,7 @@ class CheckpointNotifier:
         if not self.pending():
             return 0, "done"
         delivered, state = _flush_dir(self.spool_dir, self.api_url, deadline, timeout_s=self.timeout_s,
-                                         retries=self.retries, backoff_s=self.backoff_s, headers=self._headers,
+                                         retries=self.retries, backoff_s=self.backoff_s, headers=_auth_headers(),
                                          probe_first=self._server_down)
         if delivered:
             self._server_down = False
