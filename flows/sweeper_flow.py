@@ -35,7 +35,8 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
     has no finished MLflow run with these settings (`eval_overrides`) yet. An evaluation that failed or crashed is
     started again, once: nothing while a retry of it is still queued or running, and nothing after a run a person
-    cancelled unless `include_cancelled` (evaldag.runtime.relaunch)."""
+    cancelled unless `include_cancelled` (evaldag.runtime.relaunch). A checkpoint a trainer announced under a job
+    name of its own is evaluated under that name, so an evaluation under way is joined, not repeated."""
     marker = os.environ.get("EVALDAG_CHECKPOINT_MARKER") or None
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
@@ -49,7 +50,7 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
         if missing:   # one evaluation for the checkpoint's missing benchmarks: one engine load per slot
             started.append(start_evaluation(missing, str(ckpt.resolve()), step, train_run_of(ckpt, root),
                                             eval_overrides, relaunch_failed=True,
-                                            include_cancelled=include_cancelled))
+                                            include_cancelled=include_cancelled, adopt_train_run=True))
     cancelled = sum(1 for s in started if s.get("relaunch") == "cancelled")
     get_run_logger().info("%d checkpoints x %d benchmarks: %d already evaluated, %d evaluations started or in "
                           "progress, %d left cancelled (include_cancelled=true starts them again)",
@@ -69,4 +70,4 @@ def eval_latest(root: str, benchmark: str = "math500", eval_overrides: dict | No
     step, ckpt = found[-1]
     return start_evaluation(requested_benchmarks(None, [benchmark])[0], str(ckpt.resolve()), step,
                             train_run_of(ckpt, run_root), eval_overrides, relaunch_failed=True,
-                            include_cancelled=include_cancelled)
+                            include_cancelled=include_cancelled, adopt_train_run=True)

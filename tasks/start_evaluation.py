@@ -10,7 +10,7 @@ from prefect.deployments import run_deployment
 
 from evaldag.runtime import relaunch
 from evaldag.runtime.deployments import SUITE_DEPLOYMENT, evaluation_deployment
-from evaldag.events.identity import evaluation_id
+from evaldag.events.identity import checkpoint_tag, evaluation_id
 
 _PAGE = 200
 
@@ -18,7 +18,7 @@ _PAGE = 200
 @task(name="start-evaluation", retries=3, retry_delay_seconds=[2, 5, 10])
 def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, train_run: str,
                      overrides: dict | None = None, relaunch_failed: bool = False,
-                     include_cancelled: bool = False) -> dict:
+                     include_cancelled: bool = False, adopt_train_run: bool = False) -> dict:
     """run_deployment keyed by the evaluation's identity (evaldag.events.identity.evaluation_id: the checkpoint, step,
     benchmarks and every override that changes the result): a duplicate request returns the existing flow run
     instead of starting a second one, a full evaluation after a quick slice starts its own. One benchmark runs as
@@ -30,13 +30,20 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     a run a person cancelled unless `include_cancelled`, otherwise exactly one retry. The returned dict's `relaunch`
     says which (None without `relaunch_failed` or when the first run is live or completed)."""
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
+    tag = checkpoint_tag(checkpoint, step)
+    if adopt_train_run and (known := _train_run_of_earlier_runs(tag)) and known != train_run:
+        # the trainer named its job otherwise than the folder: the same checkpoint, one job, one evaluation
+        get_run_logger().info("%s step %d was announced as job %s, not %s: evaluating it as %s", checkpoint, step,
+                              known, train_run, known)
+        train_run = known
     key = evaluation_id(train_run, step, names, checkpoint, overrides)
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
     deployment = _deployment_for(names)
     if deployment == SUITE_DEPLOYMENT:
         params["benchmarks"] = names
     run_name = f"{'+'.join(names)}-{train_run}-step{step}"
-    fr = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=0, flow_run_name=run_name)
+    fr = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=0, flow_run_name=run_name,
+                        tags=[tag])
     action = None
     if relaunch_failed and fr.state and fr.state.is_final() and not fr.state.is_completed():
         attempts = relaunch.attempts_of(_named_runs(fr.deployment_id, [run_name, f"{run_name}-retry"]), key)
@@ -46,7 +53,7 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
             get_run_logger().warning("%s for %s step %d: its latest run %s ended %s; starting it again", deployment,
                                      train_run, step, fr.name, fr.state.name)
             fr = run_deployment(deployment, parameters=params, idempotency_key=relaunch.retry_key(key, fr),
-                                timeout=0, flow_run_name=f"{run_name}-retry")
+                                timeout=0, flow_run_name=f"{run_name}-retry", tags=[tag])
         elif decision.action == "cancelled":
             get_run_logger().info("%s for %s step %d: %s was cancelled (%s); not starting it again without "
                                   "include_cancelled", deployment, train_run, step, fr.name,
@@ -74,6 +81,18 @@ def _deployment_for(names: list[str]) -> str:
             get_run_logger().info("no deployment %s: evaluating %s with %s", name, names[0], SUITE_DEPLOYMENT)
             return SUITE_DEPLOYMENT
     return name
+
+
+def _train_run_of_earlier_runs(tag: str) -> str | None:
+    """The train run of the first evaluation flow run tagged `tag` (evaldag.events.identity.checkpoint_tag), if any."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[tag])),
+                                     sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1)
+    return runs[0].parameters.get("train_run") if runs else None
 
 
 def _named_runs(deployment_id: UUID | None, names: list[str]) -> list[Any]:

@@ -244,6 +244,23 @@ def test_sweeper_evaluates_checkpoints_nobody_announced(triggers):
     assert len([r for r in _runs("math500") if r.parameters.get("train_run") == "quiet-run"]) == 1
 
 
+def test_the_sweeper_joins_the_evaluation_a_trainer_filed_under_another_name(triggers):
+    """The trainer calls its job grpo-alias while its checkpoints sit under named-run/: a sweep while the event's
+    evaluation is under way finds it (by the checkpoint's tag) and starts nothing as named-run."""
+    ckpt = _checkpoint("named-run", 500)
+    notifier = CheckpointNotifier(train_run="grpo-alias", api_url=triggers.settings.prefect_api_url,
+                                  benchmarks=["math500"], spool_dir=ROOT.parent / "spool-named")
+    notifier.notify(ckpt, step=500)
+    [first] = _wait_for(lambda: [r for r in _runs("math500") if r.parameters.get("train_run") == "grpo-alias"],
+                        timeout=120, every=0.5)
+    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "named-run")]},
+                        timeout=300, poll_interval=1)
+    assert fr.state.is_completed(), fr.state.message
+    assert [s["flow_run_id"] for s in fr.state.result()["started"]] == [str(first.id)]
+    assert _final_run_for("math500", lambda r: r.id == first.id).state.is_completed()
+    assert not [r for r in _runs("math500") if r.parameters.get("train_run") == "named-run"]
+
+
 def test_sweeper_evaluates_again_with_other_settings(triggers):
     """"Already evaluated" means: with these settings. A sweep with another limit evaluates the checkpoint again; the
     same sweep repeated does not."""

@@ -157,6 +157,12 @@ def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], che
     return f"evaldag-eval:{train_run}:{step}:{'+'.join(names)}:{digest}:{settings}"
 
 
+def checkpoint_tag(checkpoint: str | Path, step: int) -> str:
+    """The Prefect tag of every evaluation flow run of this checkpoint folder at this step, whoever started it and
+    under whichever train run: how the sweeper finds the job a trainer filed it under (tasks/start_evaluation)."""
+    return f"evaldag-ckpt:{hashlib.sha256(str(checkpoint).encode()).hexdigest()[:16]}:{int(step)}"
+
+
 def evaluated_key(checkpoint: str | Path, step: int, benchmark: str,
                   overrides: Mapping[str, Any] | None = None) -> tuple[str, int, str]:
     """What the sweeper looks up among the finished evaluations (evaldag.tracking.history.evaluated_checkpoints): the
