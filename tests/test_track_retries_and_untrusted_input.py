@@ -4,32 +4,27 @@ sync` goes past an evaluation it cannot log; the sweeper and the event validator
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import polars as pl
 import pytest
 
 from conftest import complete_checkpoint
+import test_tracking
+import test_verdicts
+
+# the fixtures: a copy of the configs a test may change, a SQLite MLflow store
+configs, mlflow_store = test_tracking.configs, test_verdicts.mlflow_store
 
 
 @pytest.fixture
-def sqlite_mlflow(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    import mlflow
-    mlflow.set_tracking_uri(uri)
-    return uri
+def sqlite_mlflow(mlflow_store):
+    """mlflow_store, also set in mlflow itself for the test (an earlier test's set_tracking_uri would win over the
+    variable) and taken back after it."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
 
-
-@pytest.fixture
-def configs(tmp_path, monkeypatch):
-    from evaldag import paths
-    folder = tmp_path / "configs"
-    shutil.copytree(paths.REPO_ROOT / "configs", folder)
-    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(folder))
-    return folder
+    with _use_tracking_uri(mlflow_store):
+        yield mlflow_store
 
 
 def _plan(tmp_path: Path, step: int, train_run: str):

@@ -358,13 +358,13 @@ def earlier_evaluations(client, experiment_id: str, train_run: str, comparison: 
     run_id, step, accuracy (the logged metric), label (JOB@STEP), stopped and verdict (of an evaluation that
     stopped early, evaldag.decisions.decide). The latest run per step: a re-evaluation supersedes, as in
     `evaluations`; a full evaluation supersedes one that stopped early whatever their order."""
-    from evaldag.tracking.names import COMPARISON_TAG, DECIDE_VERDICT_TAG, stopped_early
+    from evaldag.tracking.names import COMPARISON_TAG, DECIDE_VERDICT_TAG, full_first, stopped_early
 
     runs = client.search_runs([experiment_id], filter_string=(
         f"tags.train_run = '{train_run}' and tags.`{COMPARISON_TAG}` = '{comparison}' and tags.kind = 'ckpt_eval' "
         "and attributes.status = 'FINISHED'"), order_by=["attributes.start_time DESC"], max_results=5000)
     by_step: dict[int, dict] = {}
-    for r in sorted(runs, key=lambda r: stopped_early(r.data.tags)):     # stable: newest first within each kind
+    for r in full_first(runs):
         their_step = int(r.data.tags.get("step", "0") or 0)
         if their_step < step and their_step not in by_step and "accuracy" in r.data.metrics:
             by_step[their_step] = {"run_id": r.info.run_id, "step": their_step,

@@ -203,6 +203,10 @@ class _ShardRun:
         self.stopped = decide.stop_requested(self.plan)
         return self.stopped
 
+    def decision_rank(self) -> dict[str, int]:
+        """Each problem's place in the evaluation's decision order (evaldag.decisions.decide), the same on every shard."""
+        return {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), self.plan.sampling.seed))}
+
     def start_forecast(self, problems: list[int]) -> None:
         """Forecast the end of these problems' completions (evaldag.pipeline.time_left)."""
         self.time_left = TimeLeft(sum(self.runs[i][1] for i in problems), self.plan.sampling.max_new_tokens)
@@ -265,7 +269,7 @@ class _PerBatch(_ShardRun):
         complete only when nearly every batch is. This costs padding (a batch runs until its longest completion),
         and changes what each batch generates, so the plan's generation key says so (evaldag.request.plan)."""
         per_batch = max((len(b) for b in batches), default=1)
-        rank = {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), self.plan.sampling.seed))}
+        rank = self.decision_rank()
         order = sorted(range(len(self.prompts)), key=lambda i: rank[self.records[i]["sample_id"]])
         return [order[lo:lo + per_batch] for lo in range(0, len(order), per_batch)]
 
@@ -312,6 +316,8 @@ class _PerRequest(_ShardRun):
         self._next_chunk = 1 + max((int(p.stem.split("-")[1]) for p in self.chunks.glob("requests-*.parquet")),
                                    default=0)
         self._pending: list[dict] = []      # rows of finished requests not yet written
+        self._unsubmitted: list[int] = []   # sequences of the requests from the k-th on (set by generate)
+        self._window = self._finished_here = 0
         self._pending_requests = 0
         self._pending_since = 0.0
 
@@ -332,7 +338,7 @@ class _PerRequest(_ShardRun):
         # order says nothing of length. It is the evaluation's decision order, the same on every shard, so that a
         # prefix of it completes first where the evaluation may stop early (evaldag.decisions.decide). Completions do not
         # depend on it (seeds are per request).
-        rank = {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), seed))}
+        rank = self.decision_rank()
         requests.sort(key=lambda r: rank[self.records[r.key]["sample_id"]])
         window = decide.in_flight(self.plan)
         options = {} if window is None else {"max_in_flight": window}
@@ -377,7 +383,7 @@ class _PerRequest(_ShardRun):
         """The sequences of the requests not handed to the engine yet: with the engine's running counts known, any
         other unfinished sequence is a finished sample of a request whose siblings still run (vLLM drops it from
         its running set), which has nothing left to generate."""
-        if self.running_counts is None or not hasattr(self, "_unsubmitted"):
+        if self.running_counts is None or not self._unsubmitted:
             return None
         return self._unsubmitted[min(len(self._unsubmitted) - 1, self._window + self._finished_here)]
 

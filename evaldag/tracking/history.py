@@ -10,7 +10,7 @@ import polars as pl
 
 from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.tracking import client as tracking_client
-from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name, stopped_early
+from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name, full_first
 
 
 def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
@@ -37,7 +37,7 @@ def _history_rows(runs) -> dict[str, list[dict]]:
     full evaluation wins over one that stopped early, evaldag.decisions.decide)."""
     rows: dict[str, list[dict]] = {}
     seen: set[tuple[str, float]] = set()
-    for r in sorted(runs, key=lambda r: stopped_early(r.data.tags)):     # stable: newest first within each kind
+    for r in full_first(runs):
         m, job = r.data.metrics, r.data.tags.get("train_run", "")
         if "step" not in m or (job, m["step"]) in seen or "reward/mean" not in m:
             continue

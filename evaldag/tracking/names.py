@@ -21,6 +21,12 @@ DECIDE_STATUS_TAG, DECIDE_VERDICT_TAG = "decide.status", "decide.verdict"
 def stopped_early(tags: dict) -> bool:
     """Whether a run's tags say it stopped before its last problem (a prefix evaluation)."""
     return tags.get(DECIDE_STATUS_TAG) == "stopped"
+
+
+def full_first(runs: list) -> list:
+    """MLflow runs with the full evaluations before those that stopped early, each group in its given order (so a
+    "first run per step" rule prefers a full one)."""
+    return sorted(runs, key=lambda r: stopped_early(r.data.tags))
 # MLflow 3's experiment kind (the UI's "Machine learning" type): the UI opens such an experiment on its runs table and
 # charts instead of the GenAI traces/evaluation view. The value is the one the MLflow 3.17 UI reads.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
