@@ -299,6 +299,15 @@ def run(
                                                            "difference within which it is `equivalent`")] = None,
     decide_alpha: Annotated[Optional[float], typer.Option(min=0.0001, max=0.5, help="with --decide: its error "
                                                           "rate")] = None,
+    temperature: Annotated[Optional[float], typer.Option(min=0, max=5, help="override the benchmark's sampling "
+                                                         "temperature (adaptive samples need one above 0)")] = None,
+    adaptive_budget: Annotated[Optional[int], typer.Option(min=1, help="adaptive samples: n0 samples of every "
+                                                           "problem, then more where the outcome is uncertain, "
+                                                           "this many samples in all (README: Adaptive samples)")]
+    = None,
+    adaptive_width: Annotated[Optional[float], typer.Option(min=0.001, max=0.99, help="adaptive samples until the "
+                                                            "accuracy's interval is about this wide (0.05 = 5 "
+                                                            "points), instead of a budget")] = None,
 ) -> None:
     """Run `eval/<benchmark>` on the local stack (what `prefect deployment run` does), follow it, print the result
     and the paired verdicts against the job's previous and best checkpoints (and --baseline), and with --decide
@@ -308,12 +317,19 @@ def run(
 
     if not decide and (decide_margin is not None or decide_alpha is not None):
         raise typer.BadParameter("--decide-margin and --decide-alpha set how --decide decides; add --decide")
+    if adaptive_budget is not None and adaptive_width is not None:
+        raise typer.BadParameter("--adaptive-budget and --adaptive-width are two ways to size adaptive samples; "
+                                 "give one")
     stack = Stack()
-    sampling = {"max_new_tokens": max_new_tokens} if max_new_tokens else None
+    sampling = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature).items()
+                if v is not None} or None
+    adaptive = ({"budget": adaptive_budget} if adaptive_budget is not None
+                else {"target_ci_width": adaptive_width} if adaptive_width is not None else None)
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
                                     sampling=sampling, train_run=train_run, baseline=baseline,
                                     final_step=final_step, decide="vs_best" if decide else None,
-                                    decide_margin=decide_margin, decide_alpha=decide_alpha).items()
+                                    decide_margin=decide_margin, decide_alpha=decide_alpha,
+                                    adaptive=adaptive).items()
               if v is not None}
     runner.run_and_report(stack, benchmark, params)
 

@@ -10,6 +10,7 @@ and metrics.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Literal
 
 import polars as pl
@@ -33,6 +34,7 @@ from tasks.gpu_slots import pool_num_gpus
 from tasks.launch_shard import launch_shard
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
+from tasks.second_round import second_round_task
 from tasks.track import track_task
 
 
@@ -59,6 +61,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     decide_alpha: float | None = None,
     decide_margin: float | None = None,
     decide_rounds: int | None = None,
+    adaptive: dict | None = None,
 ) -> dict:
     """Evaluate one checkpoint on `benchmark` (or on every one of `benchmarks`) and log each to MLflow; returns the
     headline figures (for several benchmarks: {"benchmarks": {name: figures}}).
@@ -70,6 +73,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     job's parent run a forecast of its accuracy there (evaldag.decisions.forecast). `decide="vs_best"` stops generating as
     soon as the paired verdict against the job's best checkpoint so far is decided, at level `decide_alpha` with
     equivalence margin `decide_margin`, read `decide_rounds` times (evaldag.decisions.decide; with dispatch="deployment").
+    `adaptive` ({"budget": samples} or {"target_ci_width": 0.05}, and optionally n0, floor, max_per_problem) draws
+    n0 samples of every problem, then more where the outcome is uncertain (evaldag.decisions.adaptive; engine vllm).
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
@@ -80,7 +85,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                       train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine,
                                       baseline=baseline, final_step=final_step, decide=decide,
                                       decide_alpha=decide_alpha, decide_margin=decide_margin,
-                                      decide_rounds=decide_rounds)
+                                      decide_rounds=decide_rounds, adaptive=adaptive)
                     for name in names]     # every request is checked before anything is resolved
         if decide and dispatch == "inline":
             raise ConfigError("decide stops the shards while they generate, which needs them running beside this "
@@ -94,26 +99,48 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         # an evaluation an earlier attempt stopped early needs no shard again
         running = [(path, plan) for path, plan in zip(plan_paths, plans)
                    if not (path in decisions and decisions[path].stopped)]
-        # slot s runs shard s of every plan that has one, on one engine load
-        groups = [[path for path, plan in running if plan.num_shards > s]
-                  for s in range(max((plan.num_shards for _, plan in running), default=0))]
-        if dispatch == "deployment":
-            unit = "requests" if any(plan.progress_unit == "requests" for plan in plans) else "problems"
-            with evaluation_progress(flow_run.id, names, sum(plan.n_requests for _, plan in running), unit=unit):
-                futures = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)) if groups else []
-                decisions |= decide_while_generating(list(futures), deciders)
-                results = [future.result() for future in futures]
-        else:
-            results = [shard_flow(group, s) for s, group in enumerate(groups)]
         graded: dict[str, list[str]] = {path: [] for path in plan_paths}
-        for group, paths in zip(groups, results):
-            for plan_path, path in zip(group, paths):
-                if path is not None:
-                    graded[plan_path].append(path)
+        done, decided = _generate(running, names, dispatch, deciders)
+        graded |= done
+        decisions |= decided
+        # adaptive samples: a second round where the first left problems uncertain (evaldag.request.second_round)
+        seconds = {path: second_round_task(path, graded[path]) for path, plan in running if plan.request.adaptive}
+        seconds = {path: second for path, second in seconds.items() if second is not None}
+        if seconds:
+            round2 = [(second, load_plan(second)) for second in seconds.values()]
+            more, _ = _generate(round2, [f"{plan.benchmark.name} (second round)" for _, plan in round2], dispatch,
+                                {}, since=datetime.now(timezone.utc))
+            for path, second in seconds.items():
+                graded[path] += more[second]
         summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, decisions.get(path),
                                                             deciders.get(path))
                      for path, plan in zip(plan_paths, plans)}
         return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
+
+
+def _generate(running: list[tuple[str, EvalPlan]], names: list[str], dispatch: str, deciders: dict[str, Decider],
+              since: datetime | None = None) -> tuple[dict[str, list[str]], dict[str, Decision]]:
+    """Generate and grade every shard of the plans `running`: slot s runs shard s of every plan that has one, on one
+    engine load. Returns each plan's graded files (none for a shard its decider stopped) and the decisions the
+    deciders reached while the shards ran. `since`: the progress counts only shard runs created from then on."""
+    groups = [[path for path, plan in running if plan.num_shards > s]
+              for s in range(max((plan.num_shards for _, plan in running), default=0))]
+    decisions: dict[str, Decision] = {}
+    if dispatch == "deployment":
+        unit = "requests" if any(plan.progress_unit == "requests" for _, plan in running) else "problems"
+        with evaluation_progress(flow_run.id, names, sum(plan.n_requests for _, plan in running), unit=unit,
+                                 since=since):
+            futures = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)) if groups else []
+            decisions = decide_while_generating(list(futures), deciders)
+            results = [future.result() for future in futures]
+    else:
+        results = [shard_flow(group, s) for s, group in enumerate(groups)]
+    graded: dict[str, list[str]] = {path: [] for path, _ in running}
+    for group, paths in zip(groups, results):
+        for plan_path, path in zip(group, paths):
+            if path is not None:
+                graded[plan_path].append(path)
+    return graded, decisions
 
 
 def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int,

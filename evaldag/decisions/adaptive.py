@@ -263,5 +263,27 @@ def estimate(counts: pl.DataFrame, settings: AdaptiveSettings) -> AdaptiveEstima
                             problems=m, samples=int(n.sum()), confidence=settings.confidence)
 
 
-__all__ = ["AdaptiveEstimate", "AdaptiveSettings", "Plan", "counts_from_samples", "estimate", "fit_prior",
-           "next_round", "plan"]
+def evaluation_metrics(samples: pl.DataFrame, settings: AdaptiveSettings) -> dict[str, float]:
+    """An adaptive evaluation's headline figures from its per-sample table (both rounds): `accuracy` is the estimate,
+    `accuracy_ci_low`/`_high` its interval with problems as draws (what a fixed-n evaluation's accuracy interval
+    means; where every problem's estimate is the same, the Wilson interval over problems, as for fixed n), and
+    `adaptive_*` the interval for this problem set, the width round 1 predicted, and the samples spent. Raises
+    ValueError (from `estimate`) while any planned sample is missing or one is there twice."""
+    from evaldag.scoring.sampling_metrics import wilson_interval
+
+    est = estimate(counts_from_samples(samples, settings.n0), settings)
+    p = plan(counts_from_samples(samples, settings.n0), settings)
+    low, high = est.population_ci_low, est.population_ci_high
+    if not high > low:
+        low, high = wilson_interval(est.mean * est.problems, est.problems, settings.confidence)
+    return {
+        "accuracy": est.mean, "accuracy_ci_low": max(0.0, low), "accuracy_ci_high": min(1.0, high),
+        "adaptive_set_ci_low": est.ci_low, "adaptive_set_ci_high": est.ci_high,
+        "adaptive_set_ci_width": est.ci_high - est.ci_low, "adaptive_predicted_width": p.predicted_width,
+        "adaptive_samples": float(est.samples), "adaptive_samples_per_problem": est.samples / est.problems,
+        "n_samples": float(est.samples),
+    }
+
+
+__all__ = ["AdaptiveEstimate", "AdaptiveSettings", "Plan", "counts_from_samples", "estimate", "evaluation_metrics",
+           "fit_prior", "next_round", "plan"]

@@ -32,6 +32,8 @@ def comparison_settings(plan: EvalPlan) -> dict:
         "sampling": {k: getattr(plan.sampling, k) for k in _SAMPLING},
         # the numeric format of the weights: a bfloat16 or fp8 model is not the float32 model measured again
         "dtype": plan.model.dtype, "quantization": plan.model.engine_args.get("quantization"),
+        # adaptive samples: another estimator, with another spread; absent otherwise, so older keys stay valid
+        **({} if plan.request.adaptive is None else {"adaptive": plan.request.adaptive.model_dump()}),
     }
 
 
@@ -52,6 +54,9 @@ def series_label(plan: EvalPlan) -> str:
         value = getattr(plan.sampling, key)
         if value != getattr(default, key):
             parts.append(f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")
+    if (adaptive := plan.request.adaptive) is not None:
+        parts.append(f"adaptive-b{adaptive.budget}" if adaptive.budget is not None
+                     else f"adaptive-w{adaptive.target_ci_width:g}".replace(".", "p"))
     return ".".join(parts)
 
 
@@ -62,5 +67,6 @@ def describe(plan: EvalPlan) -> str:
     problems = (f"the first {plan.n_problems} problems" if plan.request.limit is not None
                 else f"all {plan.n_problems} problems")
     rewards = " + ".join(f"{r.weight:g} x {r.name}" for r in plan.benchmark.rewards)
-    return (f"{plan.benchmark.name}, {problems}, n={s.n}, {decoding}, max_new_tokens={s.max_new_tokens}, "
+    samples = f"n={s.n}" if plan.request.adaptive is None else f"adaptive samples from n0={s.n}"
+    return (f"{plan.benchmark.name}, {problems}, {samples}, {decoding}, max_new_tokens={s.max_new_tokens}, "
             f"reward {rewards}, grader {plan.grader_version}")

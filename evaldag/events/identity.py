@@ -39,7 +39,8 @@ def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str])
 # engine, batch size, engine_args and fingerprint) minus that list, not from this classification.
 IDENTITY = ("benchmark", "checkpoint", "step", "train_run")
 OUTPUT_SETTINGS = ("limit", "num_shards", "sampling", "pass_k", "reference", "engine",
-                   "decide", "decide_alpha", "decide_margin", "decide_rounds")   # a stopped evaluation: a prefix
+                   "decide", "decide_alpha", "decide_margin", "decide_rounds",   # a stopped evaluation: a prefix
+                   "adaptive")
 NOT_OUTPUT = tuple(k.split(".", 1)[1] for k in NOT_RESULT_SETTINGS if k.startswith("request."))
 
 

@@ -24,7 +24,8 @@ from evaldag.scoring import metrics as metricsmod
 from evaldag.decisions import decide
 from evaldag.storage import store
 from evaldag.errors import ConfigError
-from evaldag.request.plan import EvalPlan
+from evaldag.request.plan import EvalPlan, load_plan
+from evaldag.request.second_round import second_round_path
 from evaldag.pipeline.progress import ShardProgress
 from evaldag.storage.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
                             write_table)
@@ -657,6 +658,29 @@ def _cache_hit_rate(plan: EvalPlan) -> float:
     return sum(s == "reused" for s in states) / len(states) if states else 0.0
 
 
+def _second_round(plan: EvalPlan) -> list[EvalPlan]:
+    """The second round's plan of an adaptive evaluation, where it drew one (evaldag.request.second_round)."""
+    path = second_round_path(plan)
+    return [load_plan(path)] if path.is_file() else []
+
+
+def _rounds(plan: EvalPlan, graded: pl.DataFrame, expected: list[str]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(the first round's rows, all rows), sorted, answer groups made per problem; raises unless the first round is
+    complete. The first round is every row but where the evaluation is adaptive: then its n0 = sampling.n samples of
+    every problem; the second round's (indices n0 on, evaldag.request.second_round) are checked by the estimate."""
+    n = plan.sampling.n
+    graded = graded.sort(["sample_id", "sample_index"])
+    first = graded if plan.request.adaptive is None else graded.filter(pl.col("sample_index") < n)
+    metricsmod.check_complete(first, expected, n)
+    if plan.sample_runs is not None:
+        # a problem's samples come from several shards, whose graders numbered answer groups each on its own:
+        # maj@k must vote over groups of the whole problem
+        first = _group_answers(plan, first.drop("answer_group"), workers=1)[0]
+        later = graded.filter(pl.col("sample_index") >= n).select(first.columns)
+        graded = first if plan.request.adaptive is None else pl.concat([first, later])
+    return first, graded
+
+
 def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: list[str] | None = None) -> dict:
     """Merge the shards' graded files, check completeness, compute every metric and the shard diagnostic;
     write samples.parquet (with per-sample rewards) and metrics.json; return the metrics. `only`: the problems the
@@ -668,27 +692,33 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     t0 = time.perf_counter()
     graded = pl.concat([read_table(p, GRADED_SCHEMA) for p in graded_paths])
     expected = plan.sample_ids() if only is None else only
-    metricsmod.check_complete(graded, expected, plan.sampling.n)
-    graded = graded.sort(["sample_id", "sample_index"])
-    if plan.sample_runs is not None:
-        # a problem's samples come from several shards, whose graders numbered answer groups each on its own:
-        # maj@k must vote over groups of the whole problem
-        graded = _group_answers(plan, graded.drop("answer_group"), workers=1)[0]
+    adaptive = plan.request.adaptive
+    first, graded = _rounds(plan, graded, expected)
+    plans = [plan] if adaptive is None else [plan, *_second_round(plan)]
+    # pass@k, maj@k, by subject and level, rewards: over the first round, where every problem has n samples alike
     result = {
-        **metricsmod.task_metrics(graded),
-        **sampling_metrics(graded, plan.pass_k),
-        **reward_metrics(graded, plan.benchmark.rewards),
-        **metricsmod.system_metrics(_stats_table(plan), graded),
-        "cache_hit_rate": _cache_hit_rate(plan),
+        **metricsmod.task_metrics(first),
+        **sampling_metrics(first, plan.pass_k),
+        **reward_metrics(first, plan.benchmark.rewards),
+        **metricsmod.system_metrics(pl.concat([_stats_table(p) for p in plans]), graded),
+        "cache_hit_rate": sum(_cache_hit_rate(p) for p in plans) / len(plans),
     }
     n = plan.sampling.n    # accuracy is avg@n: give it avg@n's interval under its own name too
     result["accuracy_ci_low"], result["accuracy_ci_high"] = result[f"avg@{n}_ci_low"], result[f"avg@{n}_ci_high"]
+    if adaptive is not None:      # accuracy is the adaptive estimate over both rounds
+        from evaldag.decisions.adaptive import evaluation_metrics
+
+        try:
+            result.update(evaluation_metrics(graded, adaptive))
+        except ValueError as e:
+            raise ValueError(f"{plan.benchmark.name}: the adaptive rounds' rows are not what their plans ask for "
+                             f"({e}); a second-round shard's graded file is missing or counted twice") from None
     if plan.reference is not None:
         from evaldag.scoring.kl import kl_metrics
 
         logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
         result.update(kl_metrics(logprobs, sampling=plan.sampling))
-    diagnostic = shard_disagreement(graded, num_shards=plan.num_shards) if plan.num_shards > 1 else None
+    diagnostic = shard_disagreement(first, num_shards=plan.num_shards) if plan.num_shards > 1 else None
     if diagnostic is not None:
         result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))
     samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))

@@ -28,8 +28,10 @@ from evaldag.request.gpus import shard_gpus
 from evaldag.scoring.grading import GRADER_VERSION
 from evaldag.request.keys import result_engine_args
 from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine
+from evaldag.request import adaptive_rules
 from evaldag.request.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
 from evaldag.storage.schema import INPUT_SCHEMA, read_table, write_table
+from evaldag.decisions.adaptive import AdaptiveSettings
 from evaldag.decisions.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
 
 # Times the sequential verdict is read, at equal steps of the problems (evaldag.decisions.decide)
@@ -85,6 +87,11 @@ class EvalRequest(BaseModel):
     decide_rounds: int | None = Field(None, ge=1, le=1000, description="how many times, at equal steps of the "
                                                                        "problems, the verdict is read (default "
                                                                        f"{DEFAULT_ROUNDS})")
+    # Adaptive samples (evaldag.decisions.adaptive, evaldag.request.second_round). Part of the eval_key (the metrics
+    # are its estimate), not of the first round's generation key: a fixed n = n0 evaluation shares those rows.
+    adaptive: AdaptiveSettings | None = Field(None, description="n0 samples of every problem, then more where the "
+                                                                "outcome is uncertain, up to a sample `budget` or a "
+                                                                "`target_ci_width` (needs engine vllm, temperature > 0)")
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":
@@ -298,12 +305,17 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     `num_gpus`: GPUs of the gpu pool (the `evaldag-gpus` limit); the default shard count fits the shards that can
     run at once, num_gpus // GPUs per shard."""
     bench = load_benchmark(request.benchmark)
-    sampling = merge_sampling(bench.sampling, request.sampling)
+    adaptive = request.adaptive
+    sampling = (merge_sampling(bench.sampling, request.sampling) if adaptive is None
+                else adaptive_rules.first_round_sampling(bench.sampling, request.sampling, adaptive))
     model = resolve_model(request.checkpoint)
     model = with_engine(model, request.engine)
     data = load_benchmark_rows(bench, request.limit)
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
+    if adaptive is not None:
+        adaptive_rules.check_request(adaptive, model.engine, request.sampling, data.inputs.height, request.decide,
+                                   request.reference)
     per_shard = shard_gpus(model)       # 0 for a served model: its shards hold no gpu slot
     slots = max(1, num_gpus // per_shard if per_shard else num_gpus)
     split = splits_samples(model.engine, sampling.n)
@@ -350,8 +362,9 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
                                                            request.decide_margin, request.decide_rounds]}
     # answer groups for maj@k are made over all shards of a split problem at the reduce (before, per shard: wrong)
     regrouped = {} if runs is None else {"answer_groups": "across-shards"}
+    adaptive_key = {} if adaptive is None else {"adaptive": adaptive.model_dump()}
     eval_key = compute_eval_key({
-        **decide, **regrouped,    # absent when not asked for: older keys stay valid
+        **decide, **regrouped, **adaptive_key,    # absent when not asked for: older keys stay valid
         "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
         "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
     })

@@ -187,7 +187,9 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
                         f"(step {int(run.data.metrics.get('step', 0))})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key, fmt in [("accuracy", "{:.2%}"), ("n_samples", "{:.0f}"), ("rate_correct", "{:.2%}"),
+    for key, fmt in [("accuracy", "{:.2%}"), ("accuracy_ci_low", "{:.2%}"), ("accuracy_ci_high", "{:.2%}"),
+                     ("adaptive_set_ci_width", "{:.2%}"), ("adaptive_samples_per_problem", "{:.1f}"),
+                     ("n_samples", "{:.0f}"), ("rate_correct", "{:.2%}"),
                      ("rate_wrong", "{:.2%}"), ("rate_unparseable", "{:.2%}"), ("rate_timeout", "{:.2%}"),
                      ("truncation_rate", "{:.2%}"), ("mean_completion_tokens", "{:.1f}"),
                      ("generation_tokens_per_s", "{:.1f}"), ("generation_s", "{:.1f}"), ("grading_s", "{:.1f}"),

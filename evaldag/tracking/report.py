@@ -57,7 +57,8 @@ def summary_markdown(plan: EvalPlan, metrics: dict, mlflow_url: str | None,
 def headline_table(plan: EvalPlan, metrics: dict, mlflow_url: str | None) -> list[dict]:
     """Rows for a Prefect table artifact: the headline figures and the link to the MLflow run."""
     keys = ["accuracy", *(f"pass@{k}" for k in plan.pass_k), *(f"maj@{k}" for k in plan.pass_k),
-            "reward/mean", "truncation_rate", "generation_tokens_per_s"]
+            "reward/mean", "truncation_rate", "generation_tokens_per_s",
+            "adaptive_set_ci_width", "adaptive_samples_per_problem"]   # the last two: adaptive samples only
     rows = [{"metric": k, "value": round(float(metrics[k]), 6)} for k in keys if k in metrics]
     rows.append({"metric": "mlflow_run", "value": mlflow_url or "(MLflow tracking URI is not an http server)"})
     return rows

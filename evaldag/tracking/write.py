@@ -235,6 +235,8 @@ def _run_params(plan: EvalPlan) -> dict[str, Any]:
         "rewards": json.dumps([r.model_dump() for r in plan.benchmark.rewards]),
         "reference": plan.reference.path if plan.reference else None,
         **{f"sampling.{k}": v for k, v in plan.sampling.model_dump().items()},
+        **({} if plan.request.adaptive is None
+           else {f"adaptive.{k}": v for k, v in plan.request.adaptive.model_dump().items()}),
     }
 
 

@@ -1,0 +1,215 @@
+"""Adaptive samples wired into the pipeline (evaldag.request.second_round): the request's checks, the first round
+as a plain n0 generation, the second round's plan, and the reduce over both rounds.
+
+The stage tests run the real stages (generate, grade, reduce) on `PatternEngine`, a stand-in for vLLM that answers
+right or wrong by a fixed pattern over each problem's sample index, so every expected figure is known in advance; the
+real engine runs the same path in tests/engine_vllm/test_adaptive_e2e.py."""
+
+from __future__ import annotations
+
+import polars as pl
+import pytest
+
+from conftest import complete_checkpoint
+from evaldag import engines
+from evaldag.decisions import adaptive
+from evaldag.decisions.series import comparison_key
+from evaldag.engines.base import Completion, Finished, Running, request_seed
+from evaldag.errors import ConfigError
+from evaldag.pipeline import stages
+from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
+from evaldag.request.plan import EvalRequest, load_plan, resolve
+from evaldag.request.second_round import plan_runs, resolve_second_round, second_round_path
+
+# problem j (in sample-id order) is right at sample index k when PATTERNS[j % 4](k)
+PATTERNS = (lambda k: False, lambda k: True, lambda k: k % 2 == 0, lambda k: k % 4 == 0)
+
+
+class PatternEngine:
+    """A stand-in for vLLM's per-request generation (named fake: the real engine is in tests/engine_vllm): sample k
+    of a request seeded `request_seed(seed, sample id) + first` is sample index first + k, as vLLM seeds them."""
+
+    base: dict = {}       # prompt -> request_seed(seed, sample id)
+    gold: dict = {}       # prompt -> gold
+    rule: dict = {}       # prompt -> PATTERNS entry
+    generated: list = []  # (prompt, sample index) of every sample drawn
+
+    def generate_requests(self, requests, sampling, max_in_flight=None):
+        for r in requests:
+            yield Running(tokens=0, counts=())
+            comps = []
+            for k in range(r.n or sampling.n):
+                index = r.seed + k - type(self).base[r.prompt]
+                type(self).generated.append((r.prompt, index))
+                answer = type(self).gold[r.prompt] if type(self).rule[r.prompt](index) else "-12345"
+                comps.append(Completion(text=f"\\boxed{{{answer}}}", token_ids=[1, 2], prompt_tokens=5,
+                                        completion_tokens=2, finish_reason="stop", latency_s=0.01,
+                                        batch_size=len(requests)))
+            yield Finished(r.key, comps)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    ckpt = complete_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr(engines, "load_engine", lambda *a, **k: PatternEngine())
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    PatternEngine.generated = []
+    return ckpt, tmp_path / "results"
+
+
+def _request(ckpt, **adaptive_settings) -> EvalRequest:
+    return EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=2, engine="vllm",
+                       sampling={"temperature": 0.7, "max_new_tokens": 16},
+                       adaptive={"n0": 4, "floor": 2, **adaptive_settings})
+
+
+def _teach(plan, patterns=PATTERNS) -> None:
+    rows = plan.inputs().sort("sample_id")
+    prompts, ids = rows["prompt"].to_list(), rows["sample_id"].to_list()
+    PatternEngine.base = {p: request_seed(plan.sampling.seed, s) for p, s in zip(prompts, ids)}
+    PatternEngine.gold = dict(zip(prompts, rows["gold"].to_list()))
+    PatternEngine.rule = {p: patterns[j % len(patterns)] for j, p in enumerate(prompts)}
+
+
+def _run(plan) -> list[str]:
+    paths = []
+    for s in range(plan.num_shards):
+        generate_shard(plan, s)
+        paths.append(str(grade_shard(plan, s, workers=0)))
+    return paths
+
+
+def _rows(paths) -> pl.DataFrame:
+    return pl.concat([pl.read_parquet(p, columns=["sample_id", "sample_index", "correct"]) for p in paths])
+
+
+def test_the_second_round_draws_more_where_the_first_was_uncertain_and_the_reduce_uses_both(fake_vllm):
+    ckpt, results = fake_vllm
+    plan = resolve(_request(ckpt, budget=120), results)
+    _teach(plan)
+    assert plan.sampling.n == 4 and plan.num_shards == 2
+    first = _run(plan)
+    second = resolve_second_round(plan, _rows(first))
+    assert second is not None and load_plan(second_round_path(plan)).generation_key == second.generation_key
+    assert resolve_second_round(plan, _rows(first)).generation_key == second.generation_key    # same rows, same plan
+    ids = sorted(plan.sample_ids())
+    runs = {}
+    for shard, shard_runs in zip(second.shards, second.sample_runs):
+        for sid, (start, count) in zip(shard, shard_runs):
+            runs.setdefault(sid, []).extend(range(start, start + count))
+    # all wrong (j % 4 == 0) or all right (j % 4 == 1) in round 1: the floor (2) and no more; the others more
+    for j, sid in enumerate(ids):
+        assert sorted(runs[sid]) == list(range(4, 4 + len(runs[sid]))), runs[sid]     # indices 4.. once each
+        if j % 4 in (0, 1):
+            assert len(runs[sid]) == 2, (j, runs[sid])
+        else:
+            assert len(runs[sid]) > 2, (j, runs[sid])
+    total = 8 * 4 + sum(len(r) for r in runs.values())
+    assert 8 * 6 < total <= 120
+
+    later = _run(second)
+    metrics = reduce_results(plan, first + later)
+    samples = pl.read_parquet(plan.path("samples.parquet"))
+    assert samples.height == total == metrics["n_samples"] == metrics["adaptive_samples"]
+    assert samples.select("sample_id", "sample_index").is_unique().all()
+    # each sample was generated once, at the index its round planned
+    assert len(PatternEngine.generated) == len(set(PatternEngine.generated)) == total
+    # the first round's figures are a fixed n = 4 evaluation's: per problem 0, 1, 2/4, 1/4 -> 0.4375
+    assert metrics["avg@4"] == pytest.approx((0 + 1 + 0.5 + 0.25) / 4)
+    # every row is graded as the pattern says
+    expected = [PATTERNS[ids.index(s) % 4](k) for s, k in samples.select("sample_id", "sample_index").iter_rows()]
+    assert samples["correct"].to_list() == expected
+    est = adaptive.estimate(adaptive.counts_from_samples(samples, 4), plan.request.adaptive)
+    assert metrics["accuracy"] == pytest.approx(est.mean)
+    assert metrics["accuracy_ci_low"] <= metrics["accuracy"] <= metrics["accuracy_ci_high"]
+    assert metrics["adaptive_set_ci_low"] <= metrics["accuracy"] <= metrics["adaptive_set_ci_high"]
+
+    with pytest.raises(ValueError, match="second-round shard"):
+        reduce_results(plan, first)                   # the second round's rows left out: refused, not reduced
+
+
+def test_all_or_nothing_problems_are_estimated_exactly(fake_vllm):
+    """Problems right every time or never: the estimate is the share of the always-right ones, whatever the round
+    each sample came from (an unbiased design must give 0 and 1 for them)."""
+    ckpt, results = fake_vllm
+    plan = resolve(_request(ckpt, budget=48), results)
+    _teach(plan, patterns=(lambda k: False, lambda k: True, lambda k: True, lambda k: False))
+    first = _run(plan)
+    second = resolve_second_round(plan, _rows(first))
+    assert {c for runs in second.sample_runs for _, c in runs} <= {1, 2}
+    metrics = reduce_results(plan, first + _run(second))
+    assert metrics["accuracy"] == pytest.approx(0.5) and metrics["n_samples"] == 48
+
+
+def test_no_second_round_when_the_design_draws_nothing(fake_vllm):
+    ckpt, results = fake_vllm
+    plan = resolve(_request(ckpt, budget=32, floor=0), results)
+    _teach(plan, patterns=(lambda k: False, lambda k: True))
+    first = _run(plan)
+    assert resolve_second_round(plan, _rows(first)) is None
+    assert not second_round_path(plan).exists()
+    metrics = reduce_results(plan, first)
+    assert metrics["accuracy"] == pytest.approx(0.5) and metrics["n_samples"] == 32
+
+
+def test_a_first_round_that_is_not_the_plan_is_refused(fake_vllm):
+    ckpt, results = fake_vllm
+    plan = resolve(_request(ckpt, budget=120), results)
+    _teach(plan)
+    first = _run(plan)
+    with pytest.raises(ValueError, match="first round"):
+        resolve_second_round(plan, _rows(first[:1]))          # one shard's file missing
+
+
+def test_the_first_round_shares_a_fixed_n0_evaluations_rows_but_not_its_result(fake_vllm):
+    ckpt, results = fake_vllm
+    adaptive_plan = resolve(_request(ckpt, budget=120), results)
+    fixed = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=2, engine="vllm",
+                                sampling={"temperature": 0.7, "max_new_tokens": 16, "n": 4}), results)
+    assert adaptive_plan.generation_key == fixed.generation_key
+    assert adaptive_plan.grade_key == fixed.grade_key
+    assert adaptive_plan.eval_key != fixed.eval_key
+    assert comparison_key(adaptive_plan) != comparison_key(fixed)
+    other_budget = resolve(_request(ckpt, budget=100), results)
+    assert other_budget.eval_key != adaptive_plan.eval_key
+    assert comparison_key(other_budget) != comparison_key(adaptive_plan)
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"engine": "hf"}, "need engine=vllm"),
+    ({"sampling": {"temperature": 0.0}}, "temperature > 0"),
+    ({"sampling": {"temperature": 0.7, "n": 8}}, "drop sampling.n"),
+    ({"decide": "vs_best"}, "cannot be combined yet"),
+    ({"adaptive": {"budget": 40}}, "cannot pay for"),
+])
+def test_adaptive_requests_that_cannot_run_are_refused_naming_the_fix(fake_vllm, change, match):
+    ckpt, results = fake_vllm
+    base = _request(ckpt, budget=120).model_dump(exclude_none=True)
+    with pytest.raises(ConfigError, match=match):
+        resolve(EvalRequest.parse(**{**base, **change}), results)
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"budget": 100, "target_ci_width": 0.1}, "exactly one of budget"),
+    ({}, "exactly one of budget"),
+    ({"budget": 100, "n0": 1}, "n0"),
+    ({"budget": 100, "unknown": 3}, "unknown"),
+])
+def test_adaptive_settings_are_checked_at_the_request(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        EvalRequest.parse(benchmark="aime24", adaptive=settings)
+
+
+def test_second_round_runs_cover_each_problem_once_and_balance_the_shards():
+    more = [(f"p{i}", c) for i, c in enumerate([2, 2, 9, 17, 0, 5, 2, 30])]
+    shards, runs = plan_runs(more, 4, first=12)
+    covered = sorted((sid, start + k) for shard, rs in zip(shards, runs) for sid, (start, n) in zip(shard, rs)
+                     for k in range(n))
+    assert covered == sorted((sid, 12 + k) for sid, c in more for k in range(c))
+    per_shard = [sum(n for _, n in rs) for rs in runs]
+    assert sum(per_shard) == 67 and max(per_shard) - min(per_shard) <= 4, per_shard
+    assert plan_runs(more, 4, first=12) == (shards, runs)
+    assert plan_runs([("a", 3)], 8, first=4) == ([["a"], ["a"], ["a"]], [[(4, 1)], [(5, 1)], [(6, 1)]])
