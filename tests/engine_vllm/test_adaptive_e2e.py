@@ -18,7 +18,7 @@ from evaldag.tracking.samples import load_samples
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 
 N0, FLOOR, BUDGET = 4, 2, 60
-PARAMS = {"limit": 6, "num_shards": 2, "step": 3, "train_run": "adaptive-e2e",
+PARAMS = {"limit": 6, "num_shards": 2, "step": 3, "train_run": "adaptive-e2e", "engine": "vllm",
           "sampling": {"max_new_tokens": 24, "temperature": 1.0, "seed": 5},
           "adaptive": {"n0": N0, "floor": FLOOR, "budget": BUDGET}}
 
