@@ -68,7 +68,7 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
     # Prefect hands back the existing run for a reused idempotency key even when it failed, so a retry must carry
     # its attempt number to really start the shard again.
     keys = "+".join(plan.eval_key[:16] for _, plan in todo)
-    names = "+".join(plan.benchmark.name for _, plan in todo)
+    names = "+".join(plan.progress_label.replace("/", "-") for _, plan in todo)
     width = max(plan.num_shards for _, plan in todo)
     fr = run_deployment(
         SHARD_DEPLOYMENT,

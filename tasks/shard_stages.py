@@ -20,7 +20,7 @@ def generate_task(plan_path: str, shard_index: int) -> str | None:
     """Generate one shard (skipped when its output already exists), its progress published as a Prefect progress
     artifact; returns the generations file, or None when the parent stopped the evaluation early (evaldag.decisions.decide)."""
     plan = load_plan(plan_path)
-    out = generate_shard(plan, shard_index, artifact_progress(plan.benchmark.name, shard_index))
+    out = generate_shard(plan, shard_index, artifact_progress(plan.progress_label, shard_index))
     return None if out is None else str(out)
 
 

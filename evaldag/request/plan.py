@@ -129,6 +129,7 @@ class EvalPlan(BaseModel):
     stage_dir: str                    # generations/grades/logprobs, shared by evaluations with the same generation_key
     pipeline_version: str = PIPELINE_VERSION
     grader_version: str = GRADER_VERSION
+    round: int = 1                    # 2: an adaptive evaluation's second round (evaldag.request.second_round)
     _inputs: pl.DataFrame | None = PrivateAttr(default=None)
 
     @property
@@ -201,6 +202,11 @@ class EvalPlan(BaseModel):
             return None
         return (r.decide_alpha or DEFAULT_ALPHA, DEFAULT_MARGIN if r.decide_margin is None else r.decide_margin,
                 r.decide_rounds or DEFAULT_ROUNDS)
+
+    @property
+    def progress_label(self) -> str:
+        """What a shard's progress names: the benchmark, and the round where it is not the first."""
+        return self.benchmark.name if self.round == 1 else f"{self.benchmark.name}/round-{self.round}"
 
     @property
     def progress_unit(self) -> str:

@@ -82,7 +82,7 @@ def resolve_second_round(plan: EvalPlan, first_round: pl.DataFrame) -> EvalPlan 
     generation_key = compute_eval_key({"second_round_of": plan.generation_key, "shards": shards, "sample_runs": runs})
     stage_root = store.as_path(plan.stage_dir).parent
     second = plan.model_copy(update={
-        "eval_key": compute_eval_key({"second_round_of": plan.eval_key}),
+        "eval_key": compute_eval_key({"second_round_of": plan.eval_key}), "round": 2,
         "num_shards": len(shards), "shards": shards, "sample_runs": runs,
         "generation_key": generation_key,
         "grade_key": compute_eval_key({"generation": generation_key, "first_round_grade": plan.grade_key}),

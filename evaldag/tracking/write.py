@@ -236,7 +236,7 @@ def _run_params(plan: EvalPlan) -> dict[str, Any]:
         "reference": plan.reference.path if plan.reference else None,
         **{f"sampling.{k}": v for k, v in plan.sampling.model_dump().items()},
         **({} if plan.request.adaptive is None
-           else {f"adaptive.{k}": v for k, v in plan.request.adaptive.model_dump().items()}),
+           else {f"adaptive.{k}": v for k, v in plan.request.adaptive.model_dump().items() if v is not None}),
     }
 
 

@@ -51,6 +51,9 @@ def test_an_adaptive_evaluation_draws_a_second_round_and_logs_its_estimate(live_
     assert len(shards) == 2 + second.num_shards and all(r.state.is_completed() for r in shards)
     texts = [a.description for a in progress_artifacts([fr.id])]
     assert any(t.startswith("evaluation of gsm8k (second round): ") for t in texts), texts
+    # each round's shards report under their own name, so `evaldag run` sums both rounds instead of mixing them
+    labels = {a.description.split(":")[0] for a in progress_artifacts([r.id for r in shards])}
+    assert labels == {"gsm8k shard 0", "gsm8k shard 1", *(f"gsm8k/round-2 shard {s}" for s in range(second.num_shards))}
 
     run = MlflowClient().get_run(summary["mlflow_run_id"])
     assert run.data.params["adaptive.budget"] == str(BUDGET) and run.data.params["sampling.n"] == str(N0)
