@@ -20,9 +20,12 @@ from tasks.lookup import evaluated_checkpoints
 
 
 def _roots(roots: list[str] | None) -> list[Path]:
+    """The folders to search: `roots` (each resolved, and under an allowed root) or the allowed roots."""
     allowed = allowed_roots_from_env()
     chosen = [Path(r).expanduser().resolve() for r in roots] if roots else allowed
-    outside = [r for r in chosen if not any(r.is_relative_to(a) for a in allowed)]
+    # a chosen root is resolved, so it is compared with where each allowed root leads too (/ckpts -> /mnt/ckpts)
+    where = allowed + [a.resolve() for a in allowed]
+    outside = [r for r in chosen if not any(r.is_relative_to(a) for a in where)]
     if outside:
         raise ConfigError(f"roots {[str(r) for r in outside]} are not under EVALDAG_CHECKPOINT_ROOTS "
                           f"({[str(a) for a in allowed]})")

@@ -181,6 +181,7 @@ def test_no_state_is_forced_once_the_block_has_ended(fake_prefect):
     with liveness.watch_for_false_crash("run-1", lambda *a: calls.append(a), poll_s=0.01):
         time.sleep(0.05)                                         # the first poll is reading
     time.sleep(0.4)
+    assert client.reads >= 1, "the watchdog never read the run: the test would pass for the wrong reason"
     assert calls == []
 
 

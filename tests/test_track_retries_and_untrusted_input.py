@@ -141,6 +141,24 @@ def test_sweeper_train_run_of_a_folder_name_is_a_valid_train_run(tmp_path):
     check_train_run(train_run_of(ckpt, root))
 
 
+def test_explicit_roots_under_a_symlinked_allowed_root_are_accepted_and_escapes_are_not(tmp_path, monkeypatch):
+    """EVALDAG_CHECKPOINT_ROOTS=/ckpts where /ckpts links to /mnt/ckpts: eval_latest's root /ckpts/run-1 resolves
+    to /mnt/ckpts/run-1, which must count as under /ckpts; a run folder that links elsewhere must not."""
+    from evaldag.errors import ConfigError
+    from flows.sweeper_flow import _roots
+
+    real = tmp_path / "mnt" / "ckpts"
+    (real / "run-1").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (real / "escape").symlink_to(tmp_path / "elsewhere")
+    link = tmp_path / "ckpts"
+    link.symlink_to(real)
+    monkeypatch.setenv("EVALDAG_CHECKPOINT_ROOTS", str(link))
+    assert _roots([str(link / "run-1")]) == [(real / "run-1").resolve()]
+    with pytest.raises(ConfigError, match="not under EVALDAG_CHECKPOINT_ROOTS"):
+        _roots([str(link / "escape")])
+
+
 def test_event_refuses_checkpoint_files_that_link_outside_the_roots(tmp_path):
     """The folder is contained, its files are not: weights/config/tokenizer may be symlinks to any file the worker
     can read (another team's model, a private file), and evaldag loads and fingerprints them."""
