@@ -70,6 +70,23 @@ def test_the_tracked_run_and_the_sweeper_agree(tmp_path):
     assert evaluated_key(ckpt, 100, "math500", {**overrides, "limit": None}) not in have   # the full one is not
 
 
+def test_the_tracked_run_and_the_sweeper_agree_on_an_adaptive_evaluation(tmp_path):
+    """The request keeps adaptive settings with their defaults filled in; a sweeper's overrides name only some:
+    both must give one key, or the sweeper never sees the evaluation as done."""
+    from conftest import complete_checkpoint
+    from evaldag.request.plan import resolve
+
+    ckpt = complete_checkpoint(tmp_path / "run-1" / "checkpoint-100")
+    overrides = {"limit": 8, "engine": "vllm", "sampling": {"temperature": 0.6}, "adaptive": {"budget": 200, "n0": 4}}
+    plan = resolve(EvalRequest.parse(benchmark="math500", checkpoint=str(ckpt), step=100, train_run="run-1",
+                                     **overrides), tmp_path / "results")
+    assert plan_settings_key(plan) == settings_key("math500", ckpt, overrides)
+    assert settings_key("math500", ckpt, {**overrides, "adaptive": {"budget": 200, "n0": 4, "floor": 4}}) == \
+        settings_key("math500", ckpt, overrides)                       # a default named is the same request
+    assert settings_key("math500", ckpt, {**overrides, "adaptive": {"budget": 300, "n0": 4}}) != \
+        settings_key("math500", ckpt, overrides)
+
+
 def test_unreadable_overrides_still_give_a_key():
     """Overrides the benchmark config rejects are the evaluation flow's to report; the key must not raise first."""
     assert _id({"sampling": {"temprature": 1}}) != _id()

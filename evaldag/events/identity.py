@@ -58,6 +58,13 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
             out["pass_k"] = sorted(set(out["pass_k"]))
         except TypeError:
             pass
+    if isinstance(out.get("adaptive"), Mapping):   # with its defaults, as the request holds it
+        try:
+            from evaldag.decisions.adaptive import AdaptiveSettings
+
+            out["adaptive"] = AdaptiveSettings.model_validate(dict(out["adaptive"])).model_dump()
+        except Exception:  # invalid settings: the flow names the problem
+            pass
     try:
         from evaldag.request.config import load_benchmark, merge_sampling
 
