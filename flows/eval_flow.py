@@ -10,7 +10,6 @@ and metrics.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
 from typing import Literal
 
 import polars as pl
@@ -109,7 +108,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         if seconds:
             round2 = [(second, load_plan(second)) for second in seconds.values()]
             more, _ = _generate(round2, [f"{plan.benchmark.name} (second round)" for _, plan in round2], dispatch,
-                                {}, since=datetime.now(timezone.utc))
+                                {}, round=2)
             for path, second in seconds.items():
                 graded[path] += more[second]
         summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, decisions.get(path),
@@ -119,17 +118,18 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
 
 
 def _generate(running: list[tuple[str, EvalPlan]], names: list[str], dispatch: str, deciders: dict[str, Decider],
-              since: datetime | None = None) -> tuple[dict[str, list[str]], dict[str, Decision]]:
+              round: int = 1) -> tuple[dict[str, list[str]], dict[str, Decision]]:
     """Generate and grade every shard of the plans `running`: slot s runs shard s of every plan that has one, on one
     engine load. Returns each plan's graded files (none for a shard its decider stopped) and the decisions the
-    deciders reached while the shards ran. `since`: the progress counts only shard runs created from then on."""
+    deciders reached while the shards ran. `round`: which round of an adaptive evaluation they are (the progress
+    counts that round's shards only)."""
     groups = [[path for path, plan in running if plan.num_shards > s]
               for s in range(max((plan.num_shards for _, plan in running), default=0))]
     decisions: dict[str, Decision] = {}
     if dispatch == "deployment":
         unit = "requests" if any(plan.progress_unit == "requests" for _, plan in running) else "problems"
         with evaluation_progress(flow_run.id, names, sum(plan.n_requests for _, plan in running), unit=unit,
-                                 since=since):
+                                 round=round):
             futures = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)) if groups else []
             decisions = decide_while_generating(list(futures), deciders)
             results = [future.result() for future in futures]

@@ -17,6 +17,7 @@ from evaldag.errors import CheckpointError
 from evaldag.runtime.liveness import is_lost_run_crash, settled
 from evaldag.request.checkpoint import check_unchanged
 from evaldag.request.plan import EvalPlan, load_plan
+from evaldag.pipeline.progress import ROUND_TAG, round_label
 from evaldag.pipeline.stages import record_reused, shard_done
 
 
@@ -68,12 +69,14 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
     # Prefect hands back the existing run for a reused idempotency key even when it failed, so a retry must carry
     # its attempt number to really start the shard again.
     keys = "+".join(plan.eval_key[:16] for _, plan in todo)
-    names = "+".join(plan.progress_label.replace("/", "-") for _, plan in todo)
+    names = "+".join(round_label(plan.benchmark.name, plan.round).replace("/", "-") for _, plan in todo)
     width = max(plan.num_shards for _, plan in todo)
+    rounds = {plan.round for _, plan in todo}      # the plans of one launch are one round's (eval_flow._generate)
     fr = run_deployment(
         SHARD_DEPLOYMENT,
         parameters={"plan_path": [path for path, _ in todo], "shard_index": shard_index},
         flow_run_name=f"{names}-{todo[0][1].eval_key[:8]}-shard{shard_index}of{width}",
+        tags=[f"{ROUND_TAG}{r}" for r in sorted(rounds) if r > 1],
         idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=0,
     )
     from evaldag.tracking.client import preload

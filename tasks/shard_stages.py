@@ -8,7 +8,7 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from evaldag.request.plan import load_plan
-from evaldag.pipeline.progress import artifact_progress
+from evaldag.pipeline.progress import artifact_progress, round_label
 from evaldag.pipeline.stages import generate_shard, grade_shard
 from tasks.retry import retry_transient
 
@@ -20,7 +20,7 @@ def generate_task(plan_path: str, shard_index: int) -> str | None:
     """Generate one shard (skipped when its output already exists), its progress published as a Prefect progress
     artifact; returns the generations file, or None when the parent stopped the evaluation early (evaldag.decisions.decide)."""
     plan = load_plan(plan_path)
-    out = generate_shard(plan, shard_index, artifact_progress(plan.progress_label, shard_index))
+    out = generate_shard(plan, shard_index, artifact_progress(round_label(plan.benchmark.name, plan.round), shard_index))
     return None if out is None else str(out)
 
 

@@ -141,3 +141,47 @@ def test_the_plan_says_what_its_progress_counts():
 
     assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": None})()) == "problems"
     assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": [[(0, 4)]]})()) == "requests"
+
+
+def test_each_round_of_an_adaptive_evaluation_is_counted_on_its_own():
+    """The parent's progress of an adaptive evaluation's second round counts that round's shard runs and reports
+    only (tagged and labelled by round), whatever the clocks say; `evaldag run` (no round) sums both rounds."""
+    import uuid
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    done = SimpleNamespace(is_running=lambda: False, is_completed=lambda: True, is_failed=lambda: False,
+                           is_crashed=lambda: False, name="Completed")
+    running = SimpleNamespace(is_running=lambda: True, is_completed=lambda: False, is_failed=lambda: False,
+                              is_crashed=lambda: False, name="Running")
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def run(rid, state, tags):
+        return SimpleNamespace(id=rid, state=state, tags=tags, run_count=1, name=rid)
+
+    def report(rid, label, shard, p, minute):
+        return SimpleNamespace(flow_run_id=rid, description=progress.describe(label, shard, p),
+                               updated=t0 + timedelta(minutes=minute), created=t0)
+
+    a, b, c, parent = (uuid.uuid4() for _ in range(4))
+    runs = [run(a, done, []), run(b, done, []), run(c, running, [f"{progress.ROUND_TAG}2"])]
+    reports = [report(a, "gsm8k", 0, ShardProgress(6, 6, 300, unit="requests"), 1),
+               report(b, "gsm8k", 1, ShardProgress(6, 6, 310, unit="requests"), 1),
+               report(c, progress.round_label("gsm8k", 2), 0, ShardProgress(2, 5, 40, unit="requests"), 3)]
+
+    class Client:
+        def read_flow_runs(self, flow_run_filter):
+            return runs
+
+        def read_artifacts(self, artifact_filter):
+            ids = set(artifact_filter.flow_run_id.any_)
+            return [r for r in reports if r.flow_run_id in ids]
+
+    second = progress.snapshot(Client(), parent, round=2)
+    assert (second.done, second.total, second.shards, second.running) == (2, 5, 1, 1)
+    first = progress.snapshot(Client(), parent, round=1)
+    assert (first.done, first.total, first.shards, first.completed) == (12, 12, 2, 2)
+    both = progress.snapshot(Client(), parent)
+    assert (both.done, both.total, both.shards) == (14, 17, 3)
+    assert progress.label_round("gsm8k/round-2") == 2 and progress.label_round("gsm8k") == 1
+    assert progress.run_round(["x", f"{progress.ROUND_TAG}2"]) == 2 and progress.run_round([]) == 1

@@ -144,11 +144,47 @@ def test_all_or_nothing_problems_are_estimated_exactly(fake_vllm):
     assert metrics["accuracy"] == pytest.approx(0.5) and metrics["n_samples"] == 48
 
 
+@pytest.mark.parametrize("right", [False, True])
+def test_a_checkpoint_that_is_always_wrong_or_always_right_is_reduced(fake_vllm, right):
+    """The ordinary case of a broken or early checkpoint (or an easy slice): every estimate is the same, the
+    interval falls back to Wilson's over problems, and the estimator's rounding must not leave [0, 1]."""
+    ckpt, results = fake_vllm
+    plan = resolve(_request(ckpt, budget=160, floor=4), results)
+    _teach(plan, patterns=(lambda k: right,))
+    first = _run(plan)
+    metrics = reduce_results(plan, first + _run(resolve_second_round(plan, _rows(first))))
+    assert metrics["accuracy"] == pytest.approx(float(right)) and metrics["n_samples"] == 8 * 8
+    assert 0.0 <= metrics["accuracy_ci_low"] <= metrics["accuracy"] <= metrics["accuracy_ci_high"] <= 1.0
+    assert metrics["accuracy_ci_high"] - metrics["accuracy_ci_low"] > 0.1       # 8 problems bound little
+    assert 0.0 <= metrics["adaptive_set_ci_low"] <= metrics["adaptive_set_ci_high"] <= 1.0
+
+
+def test_paired_verdicts_compare_the_unbiased_per_problem_estimates(fake_vllm):
+    """samples.parquet carries each problem's two-stage estimate, and per-problem scores (what verdicts pair) use
+    it, so their mean is the reported accuracy; an evaluation without it is scored by its mean correctness."""
+    from evaldag.decisions.verdicts import PROBLEM_SCORE, per_problem_scores, read_scored_samples
+
+    ckpt, results = fake_vllm
+    plan = resolve(_request(ckpt, budget=120), results)
+    _teach(plan)
+    first = _run(plan)
+    metrics = reduce_results(plan, first + _run(resolve_second_round(plan, _rows(first))))
+    samples = read_scored_samples(str(plan.path("samples.parquet")))
+    assert PROBLEM_SCORE in samples.columns
+    scores = per_problem_scores(samples)
+    assert scores["score"].mean() == pytest.approx(metrics["accuracy"])
+    pooled = samples.group_by("sample_id").agg(pl.col("correct").cast(pl.Float64).mean()).sort("sample_id")
+    assert scores["score"].to_list() != pooled["correct"].to_list()       # not the pooled mean
+    assert per_problem_scores(samples.drop(PROBLEM_SCORE))["score"].to_list() == pooled["correct"].to_list()
+
+
 def test_no_second_round_when_the_design_draws_nothing(fake_vllm):
     ckpt, results = fake_vllm
     plan = resolve(_request(ckpt, budget=32, floor=0), results)
     _teach(plan, patterns=(lambda k: False, lambda k: True))
     first = _run(plan)
+    second_round_path(plan).parent.mkdir(parents=True, exist_ok=True)
+    second_round_path(plan).write_text("{}")          # one an earlier attempt made from other first-round rows
     assert resolve_second_round(plan, _rows(first)) is None
     assert not second_round_path(plan).exists()
     metrics = reduce_results(plan, first)
@@ -213,3 +249,24 @@ def test_second_round_runs_cover_each_problem_once_and_balance_the_shards():
     assert sum(per_shard) == 67 and max(per_shard) - min(per_shard) <= 4, per_shard
     assert plan_runs(more, 4, first=12) == (shards, runs)
     assert plan_runs([("a", 3)], 8, first=4) == ([["a"], ["a"], ["a"]], [[(4, 1)], [(5, 1)], [(6, 1)]])
+
+
+def test_a_jobs_history_takes_an_adaptive_runs_own_standard_errors():
+    """An adaptive run's n_samples counts both rounds, while its reward figures are over the first round and its
+    accuracy is an estimate with a standard error of its own: the history (what the reward-swing and divergence
+    diagnostics read) takes the run's `reward/se` and `accuracy_se` where logged, else those of n_samples draws."""
+    import math
+    from types import SimpleNamespace
+
+    from evaldag.tracking.history import _history_rows
+
+    def run(step, **metrics):
+        return SimpleNamespace(data=SimpleNamespace(tags={"train_run": "job"}, metrics={"step": step, **metrics}))
+
+    fixed = run(1, accuracy=0.25, n_samples=400.0, **{"reward/mean": 0.3, "reward/std": 0.5})
+    adaptive_run = run(2, accuracy=0.3, n_samples=960.0, accuracy_se=0.04,
+                       **{"reward/mean": 0.3, "reward/std": 0.5, "reward/se": 0.5 / math.sqrt(360)})
+    rows = {r["step"]: r for r in _history_rows([adaptive_run, fixed])["job"]}
+    assert rows[1]["reward_se"] == pytest.approx(0.5 / 20) and rows[1]["accuracy_se"] == pytest.approx(
+        math.sqrt(0.25 * 0.75 / 400))
+    assert rows[2]["reward_se"] == pytest.approx(0.5 / math.sqrt(360)) and rows[2]["accuracy_se"] == 0.04

@@ -263,22 +263,35 @@ def estimate(counts: pl.DataFrame, settings: AdaptiveSettings) -> AdaptiveEstima
                             problems=m, samples=int(n.sum()), confidence=settings.confidence)
 
 
-def evaluation_metrics(samples: pl.DataFrame, settings: AdaptiveSettings) -> dict[str, float]:
-    """An adaptive evaluation's headline figures from its per-sample table (both rounds): `accuracy` is the estimate,
-    `accuracy_ci_low`/`_high` its interval with problems as draws (what a fixed-n evaluation's accuracy interval
-    means; where every problem's estimate is the same, the Wilson interval over problems, as for fixed n), and
-    `adaptive_*` the interval for this problem set, the width round 1 predicted, and the samples spent. Raises
-    ValueError (from `estimate`) while any planned sample is missing or one is there twice."""
+def problem_estimates(counts: pl.DataFrame, settings: AdaptiveSettings) -> pl.DataFrame:
+    """Each problem's two-stage estimate T (sample_id, estimate), whose mean is `estimate`'s: what paired verdicts
+    compare per problem (a problem's plain mean of all its samples leans towards its first round)."""
+    counts = _checked(counts, settings)
+    p = plan(counts, settings)
+    s = counts["first_correct"].to_numpy()
+    t = estimates(p.weights, s, counts["correct"].to_numpy() - s)
+    return counts.select("sample_id").with_columns(estimate=pl.Series(t, dtype=pl.Float64))
+
+
+def evaluation_metrics(counts: pl.DataFrame, settings: AdaptiveSettings) -> dict[str, float]:
+    """An adaptive evaluation's headline figures from its complete per-problem counts (both rounds; `estimate`
+    raises while a planned sample is missing): `accuracy` is the estimate, `accuracy_ci_low`/`_high` its interval
+    with problems as draws (what a fixed-n evaluation's accuracy interval means; where every problem's estimate is
+    the same, the Wilson interval over problems, as for fixed n) and `accuracy_se` its standard error, and
+    `adaptive_*` the interval for this problem set, the width round 1 predicted, and the samples spent."""
     from evaldag.scoring.sampling_metrics import wilson_interval
 
-    est = estimate(counts_from_samples(samples, settings.n0), settings)
-    p = plan(counts_from_samples(samples, settings.n0), settings)
+    est = estimate(counts, settings)
+    p = plan(counts, settings)
+    # the estimator's sums can land a rounding error outside [0, 1] (every problem always wrong: -3e-16)
+    mean = min(max(est.mean, 0.0), 1.0)
     low, high = est.population_ci_low, est.population_ci_high
     if not high > low:
-        low, high = wilson_interval(est.mean * est.problems, est.problems, settings.confidence)
+        low, high = wilson_interval(mean * est.problems, est.problems, settings.confidence)
     return {
-        "accuracy": est.mean, "accuracy_ci_low": max(0.0, low), "accuracy_ci_high": min(1.0, high),
-        "adaptive_set_ci_low": est.ci_low, "adaptive_set_ci_high": est.ci_high,
+        "accuracy": mean, "accuracy_ci_low": max(0.0, low), "accuracy_ci_high": min(1.0, high),
+        "accuracy_se": est.population_se,
+        "adaptive_set_ci_low": max(0.0, est.ci_low), "adaptive_set_ci_high": min(1.0, est.ci_high),
         "adaptive_set_ci_width": est.ci_high - est.ci_low, "adaptive_predicted_width": p.predicted_width,
         "adaptive_samples": float(est.samples), "adaptive_samples_per_problem": est.samples / est.problems,
         "n_samples": float(est.samples),
@@ -286,4 +299,4 @@ def evaluation_metrics(samples: pl.DataFrame, settings: AdaptiveSettings) -> dic
 
 
 __all__ = ["AdaptiveEstimate", "AdaptiveSettings", "Plan", "counts_from_samples", "estimate", "evaluation_metrics",
-           "fit_prior", "next_round", "plan"]
+           "fit_prior", "next_round", "plan", "problem_estimates"]

@@ -55,8 +55,14 @@ def series_label(plan: EvalPlan) -> str:
         if value != getattr(default, key):
             parts.append(f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")
     if (adaptive := plan.request.adaptive) is not None:
-        parts.append(f"adaptive-b{adaptive.budget}" if adaptive.budget is not None
-                     else f"adaptive-w{adaptive.target_ci_width:g}".replace(".", "p"))
+        # every setting that differs from its default, as the comparison key separates them all
+        label = (f"adaptive-b{adaptive.budget}" if adaptive.budget is not None
+                 else f"adaptive-w{adaptive.target_ci_width:g}")
+        defaults = type(adaptive).model_fields
+        for key, short in (("n0", "n0"), ("floor", "f"), ("max_per_problem", "max"), ("confidence", "c")):
+            if getattr(adaptive, key) != defaults[key].default:
+                label += f"-{short}{getattr(adaptive, key):g}"
+        parts.append(label.replace(".", "p"))
     return ".".join(parts)
 
 

@@ -72,13 +72,25 @@ class PairedVerdict:
         return asdict(self)
 
 
+# A per-problem score column of samples.parquet, where an evaluation has one other than the mean of its samples:
+# adaptive samples' two-stage estimate (evaldag.decisions.adaptive.problem_estimates), the same on each of its rows.
+PROBLEM_SCORE = "problem_score"
+
+
 def per_problem_scores(samples: pl.DataFrame) -> pl.DataFrame:
-    """One row per problem of a per-sample table (samples.parquet): sample_id, n, score = mean correctness."""
+    """One row per problem of a per-sample table (samples.parquet): sample_id, n, score = mean correctness, or the
+    table's PROBLEM_SCORE where it has one (an adaptive evaluation's unbiased estimate)."""
     if "correct" not in samples.columns or "sample_id" not in samples.columns:
         raise ValueError(f"a per-sample table needs sample_id and correct, got columns {samples.columns}")
-    return (samples.group_by("sample_id")
-            .agg(n=pl.len(), score=pl.col("correct").cast(pl.Float64).mean())
-            .sort("sample_id"))
+    score = (pl.col(PROBLEM_SCORE).first() if PROBLEM_SCORE in samples.columns
+             else pl.col("correct").cast(pl.Float64).mean())
+    return samples.group_by("sample_id").agg(n=pl.len(), score=score.cast(pl.Float64)).sort("sample_id")
+
+
+def read_scored_samples(path: str) -> pl.DataFrame:
+    """What per_problem_scores needs of a samples.parquet file: sample_id, correct, and PROBLEM_SCORE if present."""
+    present = pl.read_parquet_schema(path)
+    return pl.read_parquet(path, columns=[c for c in ("sample_id", "correct", PROBLEM_SCORE) if c in present])
 
 
 def paired_differences(a: pl.DataFrame, b: pl.DataFrame) -> pl.DataFrame:
@@ -394,7 +406,7 @@ def download_samples(client, run_id: str) -> pl.DataFrame:
     """sample_id and correct of a run's samples/samples.parquet artifact, through `client`."""
     with tempfile.TemporaryDirectory() as tmp:
         local = client.download_artifacts(run_id, "samples/samples.parquet", tmp)
-        return pl.read_parquet(local, columns=["sample_id", "correct"])
+        return read_scored_samples(local)
 
 
 def job_verdicts(client, experiment_id: str, *, run_id: str, benchmark: str, train_run: str, comparison: str,
@@ -464,6 +476,7 @@ def logged_verdict_lines(tags: Mapping[str, str], metrics: Mapping[str, float]) 
 
 
 __all__ = [
+    "PROBLEM_SCORE",
     "REFERENCES",
     "VERDICTS",
     "PairedVerdict",
@@ -478,6 +491,7 @@ __all__ = [
     "paired_differences",
     "paired_test",
     "per_problem_scores",
+    "read_scored_samples",
     "references",
     "render",
     "sign_flip_p_value",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import resource
 import time
@@ -20,12 +21,14 @@ import polars as pl
 from upath import UPath
 
 from evaldag.pipeline import faults
+from evaldag.decisions import adaptive as adaptive_metrics
 from evaldag.scoring import metrics as metricsmod
 from evaldag.decisions import decide
 from evaldag.storage import store
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalPlan, load_plan
 from evaldag.request.second_round import second_round_path
+from evaldag.decisions.verdicts import PROBLEM_SCORE
 from evaldag.pipeline.progress import ShardProgress
 from evaldag.storage.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
                             write_table)
@@ -652,10 +655,23 @@ def _stats_table(plan: EvalPlan) -> pl.DataFrame:
     return pl.DataFrame(rows)
 
 
-def _cache_hit_rate(plan: EvalPlan) -> float:
-    states = [v for i in range(plan.num_shards) if plan.cache_record_path(i).is_file()
+def _cache_hit_rate(*plans: EvalPlan) -> float:
+    """Share of the stages of every shard of `plans` (an adaptive evaluation's rounds) found done."""
+    states = [v for plan in plans for i in range(plan.num_shards) if plan.cache_record_path(i).is_file()
               for v in store.read_json(plan.cache_record_path(i)).values()]
     return sum(s == "reused" for s in states) / len(states) if states else 0.0
+
+
+def _adaptive_counts(plan: EvalPlan, graded: pl.DataFrame) -> pl.DataFrame:
+    """Per-problem counts of an adaptive evaluation's rows; raises unless they are exactly what its rounds planned."""
+    n0 = plan.request.adaptive.n0
+    try:
+        counts = adaptive_metrics.counts_from_samples(graded, n0)
+        adaptive_metrics.estimate(counts, plan.request.adaptive)     # raises while a planned sample is missing
+    except ValueError as e:
+        raise ValueError(f"{plan.benchmark.name}: the adaptive rounds' rows are not what their plans ask for "
+                         f"({e}); a second-round shard's graded file is missing or counted twice") from None
+    return counts
 
 
 def _second_round(plan: EvalPlan) -> list[EvalPlan]:
@@ -701,18 +717,17 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
         **sampling_metrics(first, plan.pass_k),
         **reward_metrics(first, plan.benchmark.rewards),
         **metricsmod.system_metrics(pl.concat([_stats_table(p) for p in plans]), graded),
-        "cache_hit_rate": sum(_cache_hit_rate(p) for p in plans) / len(plans),
+        "cache_hit_rate": _cache_hit_rate(*plans),
     }
     n = plan.sampling.n    # accuracy is avg@n: give it avg@n's interval under its own name too
     result["accuracy_ci_low"], result["accuracy_ci_high"] = result[f"avg@{n}_ci_low"], result[f"avg@{n}_ci_high"]
+    scores = None
     if adaptive is not None:      # accuracy is the adaptive estimate over both rounds
-        from evaldag.decisions.adaptive import evaluation_metrics
-
-        try:
-            result.update(evaluation_metrics(graded, adaptive))
-        except ValueError as e:
-            raise ValueError(f"{plan.benchmark.name}: the adaptive rounds' rows are not what their plans ask for "
-                             f"({e}); a second-round shard's graded file is missing or counted twice") from None
+        counts = _adaptive_counts(plan, graded)
+        result.update(adaptive_metrics.evaluation_metrics(counts, adaptive))
+        # rewards are over the first round: their standard error is over its samples, not all of them
+        result["reward/se"] = result.get("reward/std", float("nan")) / math.sqrt(first.height)
+        scores = adaptive_metrics.problem_estimates(counts, adaptive).rename({"estimate": PROBLEM_SCORE})
     if plan.reference is not None:
         from evaldag.scoring.kl import kl_metrics
 
@@ -722,6 +737,8 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     if diagnostic is not None:
         result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))
     samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))
+    if scores is not None:        # what paired verdicts compare per problem (evaldag.decisions.verdicts)
+        samples = samples.join(scores, on="sample_id", how="left", maintain_order="left")
     store.write_parquet(plan.path("samples.parquet"), samples.drop("completion_ids"))
     result["reduce_s"] = time.perf_counter() - t0
     store.write_json(plan.path("metrics.json"), result)

@@ -204,11 +204,6 @@ class EvalPlan(BaseModel):
                 r.decide_rounds or DEFAULT_ROUNDS)
 
     @property
-    def progress_label(self) -> str:
-        """What a shard's progress names: the benchmark, and the round where it is not the first."""
-        return self.benchmark.name if self.round == 1 else f"{self.benchmark.name}/round-{self.round}"
-
-    @property
     def progress_unit(self) -> str:
         """What progress counts, in words: "problems", or "requests" where a problem's samples are split over
         shards (a split problem is a request on each shard that holds some of it)."""
@@ -398,7 +393,8 @@ def _pass_k(requested: list[int] | None, configured: list[int] | None, n: int) -
         bad = [k for k in requested if not 1 <= k <= n]
         if bad:
             raise ConfigError(f"pass_k {bad} must lie in 1..n where n={n} samples per problem; raise sampling.n "
-                              "(with temperature > 0) or drop those ks")
+                              "(with temperature > 0; with adaptive samples: adaptive.n0, the first round over "
+                              "which pass@k is computed) or drop those ks")
         return sorted(set(requested))
     if any(k < 1 for k in configured or []):
         raise ConfigError(f"the benchmark config's pass_k {configured} holds ks below 1; each k must be >= 1")

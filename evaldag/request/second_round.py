@@ -68,13 +68,16 @@ def resolve_second_round(plan: EvalPlan, first_round: pl.DataFrame) -> EvalPlan 
     except ValueError as e:
         raise ValueError(f"the first round of {plan.benchmark.name}: {e}; a shard's graded file is missing or from "
                          "another evaluation") from None
-    if counts.height != plan.n_problems or (counts["n"] != n0).any():
+    if set(counts["sample_id"]) != set(plan.sample_ids()) or (counts["n"] != n0).any():
         raise ValueError(f"the first round of {plan.benchmark.name} holds {counts.height} problems with "
-                         f"{sorted(set(counts['n'].to_list()))} samples each; the plan has {plan.n_problems} with "
-                         f"n0={n0}: a shard's graded file is missing or from another evaluation")
+                         f"{sorted(set(counts['n'].to_list()))} samples each; the plan has {plan.n_problems} other "
+                         f"or more problems with n0={n0}: a shard's graded file is missing or from another "
+                         "evaluation")
     more = dict(next_round(counts, settings).select("sample_id", "more").iter_rows())
     total = sum(more.values())
     if total == 0:
+        # a plan an earlier attempt made from other first-round rows (regenerated since) must not be reduced with
+        store.as_path(second_round_path(plan)).unlink(missing_ok=True)
         return None
     ordered = [(sid, more[sid]) for sid in _ranked_ids(plan.inputs()) if more.get(sid, 0) > 0]
     num_shards = max(1, min(plan.num_shards, total // MIN_SEQUENCES_PER_SHARD))

@@ -4,6 +4,7 @@ the job's evaluations one row per step, and the cross-checkpoint diagnostics and
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import polars as pl
@@ -29,7 +30,7 @@ def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
 
 
 _HISTORY_SCHEMA = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
-                   "n_samples": pl.Float64}
+                   "n_samples": pl.Float64, "accuracy_se": pl.Float64, "reward_se": pl.Float64}
 
 
 def _history_rows(runs) -> dict[str, list[dict]]:
@@ -42,10 +43,19 @@ def _history_rows(runs) -> dict[str, list[dict]]:
         if "step" not in m or (job, m["step"]) in seen or "reward/mean" not in m:
             continue
         seen.add((job, m["step"]))
-        rows.setdefault(job, []).append({
-            "step": int(m["step"]), "accuracy": m.get("accuracy"), "reward_mean": m["reward/mean"],
-            "reward_std": m.get("reward/std", float("nan")), "n_samples": m.get("n_samples", 1.0)})
+        rows.setdefault(job, []).append(history_row(int(m["step"]), m))
     return rows
+
+
+def history_row(step: int, m: dict) -> dict:
+    """One checkpoint's row of a job's history from its metrics (as logged: "reward/mean", ...). Standard errors
+    are the run's own where it logged one (adaptive samples: its estimate's, and the reward's over the first
+    round), else those of n_samples independent samples; one sample has no std, and an unknown spread makes the
+    fluctuation test see no noise."""
+    n, accuracy, std = m.get("n_samples", 1.0), m.get("accuracy"), m.get("reward/std", float("nan"))
+    binomial = math.sqrt(accuracy * (1 - accuracy) / n) if accuracy is not None else float("nan")
+    return {"step": step, "accuracy": accuracy, "reward_mean": m["reward/mean"], "reward_std": std, "n_samples": n,
+            "accuracy_se": m.get("accuracy_se", binomial), "reward_se": m.get("reward/se", std / math.sqrt(n))}
 
 
 def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:

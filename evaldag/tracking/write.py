@@ -29,7 +29,8 @@ from evaldag.tracking.run_claims import (TrackingBusy, claim_run, current_writer
                                 still_writer, take_writer)
 from evaldag.decisions.series import comparison_key, describe, series_label
 from evaldag.tracking import client as tracking_client
-from evaldag.tracking.history import comparable_histories, history_diagnostics, job_history, plot_history
+from evaldag.tracking.history import (comparable_histories, history_diagnostics, history_row, job_history,
+                                      plot_history)
 from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, FINAL_STEP_TAG, FORECAST_TAG,
                                     JOBS_EXPERIMENT, SETTINGS_TAG, TRAINING_KIND, experiment_name, mlflow_key, run_url)
 from evaldag.events.identity import plan_settings_key
@@ -300,9 +301,7 @@ def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan,
     shard_file = plan.path("diagnostics.json")
     if shard_file.is_file():
         diags.append(Diagnostic(**json.loads(shard_file.read_text())["shard_disagreement"]))
-    current = pl.DataFrame([{"step": w.step, "accuracy": metrics["accuracy"], "reward_mean": metrics["reward/mean"],
-                             # one sample has no std: an unknown spread makes the fluctuation test see no noise
-                             "reward_std": metrics.get("reward/std", float("nan")), "n_samples": metrics["n_samples"]}])
+    current = pl.DataFrame([history_row(w.step, metrics)])
     history = job_history(w.client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != w.step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
     diags += history_diagnostics(history, describe(plan))
@@ -394,7 +393,7 @@ def _log_verdicts(w: _Writing, exp_id: str, plan: EvalPlan) -> None:
     try:
         margin, alpha = verdicts.verdict_settings()
         with store.local_copy(plan.path("samples.parquet")) as local:
-            samples = pl.read_parquet(local, columns=["sample_id", "correct"])
+            samples = verdicts.read_scored_samples(local)
         found = verdicts.job_verdicts(
             w.client, exp_id, run_id=w.run_id, benchmark=plan.benchmark.name, train_run=plan.train_run,
             comparison=comparison_key(plan), step=w.step, samples=samples, margin=margin, alpha=alpha,
