@@ -54,11 +54,13 @@ def test_an_adaptive_evaluation_draws_a_second_round_and_logs_its_estimate(live_
     # each round's shards report under their own name, so `evaldag run` sums both rounds instead of mixing them
     labels = {a.description.split(":")[0] for a in progress_artifacts([r.id for r in shards])}
     assert labels == {"gsm8k shard 0", "gsm8k shard 1", *(f"gsm8k/round-2 shard {s}" for s in range(second.num_shards))}
+    assert sorted("evaldag-round-2" in r.tags for r in shards) == [False, False] + [True] * second.num_shards
 
     run = MlflowClient().get_run(summary["mlflow_run_id"])
     assert run.data.params["adaptive.budget"] == str(BUDGET) and run.data.params["sampling.n"] == str(N0)
     m = run.data.metrics
     assert m["accuracy_ci_low"] <= m["accuracy"] <= m["accuracy_ci_high"]
+    assert "problem_score" in samples.columns     # what paired verdicts compare per problem
     assert m["adaptive_set_ci_width"] > 0 and m["adaptive_samples"] == samples.height
     # the first round's avg@n0 is its own figure, beside the estimate
     first_round = samples.filter(pl.col("sample_index") < N0)
