@@ -274,7 +274,7 @@ def test_progress_is_reported_per_batch_and_on_resume_and_reuse(setup):
     CountingEngine.crash_at = None
     heard.clear()
     generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
-    assert heard == [(2, 3, 0), (3, 3, 3)]                     # resumed from the first batch's chunk
+    assert heard == [(2, 3, 6), (3, 3, 9)]     # resumed from the first batch's chunk, its tokens still counted
     heard.clear()
     generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
     assert heard == [(3, 3, 0)]                                # reused
@@ -359,6 +359,12 @@ def _plan_of(ckpt, results, limit=8, **sampling):
                                sampling=sampling or None), results)
 
 
+def _chunk_tokens(plan) -> int:
+    """Completion tokens of the rows in shard 0's chunks."""
+    chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
+    return sum(int(pl.read_parquet(p)["completion_tokens"].sum()) for p in chunks.glob("requests-*.parquet"))
+
+
 def _chunk_rows(plan) -> list[int]:
     """Rows per chunk file of shard 0, in the order they were written."""
     import polars as pl
@@ -436,8 +442,13 @@ def test_an_engine_failure_keeps_the_requests_that_finished_before_it(streaming)
     with pytest.raises(ConnectionError):
         generate_shard(plan, 0)
     assert sum(_chunk_rows(plan)) == 5
+    kept = _chunk_tokens(plan)
     StreamingEngine.crash_after, StreamingEngine.generated = None, []
-    assert pl.read_parquet(generate_shard(plan, 0)).height == 8 and len(StreamingEngine.generated) == 3
+    heard = []
+    out = pl.read_parquet(generate_shard(plan, 0, heard.append))
+    assert out.height == 8 and len(StreamingEngine.generated) == 3
+    # the retry's progress counts the tokens of the rows the failed attempt kept: its count never falls back
+    assert heard[0].tokens == kept > 0 and heard[-1].tokens == out["completion_tokens"].sum()
 
 
 def test_sampled_rows_do_not_depend_on_chunking_or_sharding(streaming, monkeypatch):

@@ -212,3 +212,28 @@ def test_a_linked_alias_of_a_discovered_checkpoint_is_one_checkpoint(tmp_path):
     (root / "latest").mkdir()
     (root / "latest" / "checkpoint-1200").symlink_to(real)
     assert discover_checkpoints(root) == [(1200, root / "run" / "checkpoint-1200")]
+
+
+def test_the_sweepers_lookup_reads_every_page_of_finished_runs(sqlite_mlflow, monkeypatch):
+    """One MLflow search returns one page (at most 50,000 runs); a deployment with more finished evaluations than
+    that must still see them all, or the sweeper keeps starting evaluations that are done."""
+    from mlflow import MlflowClient
+
+    from evaldag.tracking import client as tracking_client
+    from evaldag.tracking.history import evaluated_checkpoints
+    from evaldag.tracking.names import SETTINGS_TAG, experiment_name
+
+    class CappedServer(MlflowClient):
+        """A server whose page holds at most 2 runs (MLflow's own cap is 50,000), whatever is asked."""
+
+        def search_runs(self, *args, max_results=1000, **kwargs):
+            return super().search_runs(*args, max_results=min(max_results, 2), **kwargs)
+
+    monkeypatch.setattr(tracking_client, "mlflow_client", CappedServer)
+    client = MlflowClient()
+    exp = client.create_experiment(experiment_name("gsm8k"))
+    for step in range(5):
+        run = client.create_run(exp, tags={"checkpoint": f"/ckpts/job/checkpoint-{step}", "step": str(step),
+                                           SETTINGS_TAG: "k"})
+        client.set_terminated(run.info.run_id)
+    assert evaluated_checkpoints("gsm8k") == {(f"/ckpts/job/checkpoint-{s}", s, "k") for s in range(5)}

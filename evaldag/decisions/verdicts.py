@@ -208,6 +208,7 @@ def evaluations(benchmarks: list[str] | None = None, train_run: str | list[str] 
                 client=None) -> pl.DataFrame:
     """Finished evaluation runs from MLflow: run_id, train_run, step, benchmark, comparison_key, checkpoint, model,
     start (ms). The latest run per (job, step, benchmark, comparison key) is kept: a re-evaluation supersedes."""
+    from evaldag.tracking.client import all_runs
     from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, stopped_early
 
     if client is None:
@@ -220,8 +221,8 @@ def evaluations(benchmarks: list[str] | None = None, train_run: str | list[str] 
     jobs = [train_run] if isinstance(train_run, str) else list(train_run or [])
     rows = []
     if exps:
-        for r in client.search_runs([e.experiment_id for e in exps], max_results=50000,
-                                    filter_string="tags.kind = 'ckpt_eval' and attributes.status = 'FINISHED'"):
+        for r in all_runs(client, [e.experiment_id for e in exps],
+                          filter_string="tags.kind = 'ckpt_eval' and attributes.status = 'FINISHED'"):
             t = r.data.tags
             # the baseline may belong to another job, so every job is read and the filter applies to the rows
             rows.append({"run_id": r.info.run_id, "stopped": stopped_early(t),
@@ -370,11 +371,12 @@ def earlier_evaluations(client, experiment_id: str, train_run: str, comparison: 
     run_id, step, accuracy (the logged metric), label (JOB@STEP), stopped and verdict (of an evaluation that
     stopped early, evaldag.decisions.decide). The latest run per step: a re-evaluation supersedes, as in
     `evaluations`; a full evaluation supersedes one that stopped early whatever their order."""
+    from evaldag.tracking.client import all_runs
     from evaldag.tracking.names import COMPARISON_TAG, DECIDE_VERDICT_TAG, full_first, stopped_early
 
-    runs = client.search_runs([experiment_id], filter_string=(
+    runs = all_runs(client, [experiment_id], filter_string=(
         f"tags.train_run = '{train_run}' and tags.`{COMPARISON_TAG}` = '{comparison}' and tags.kind = 'ckpt_eval' "
-        "and attributes.status = 'FINISHED'"), order_by=["attributes.start_time DESC"], max_results=5000)
+        "and attributes.status = 'FINISHED'"), order_by=["attributes.start_time DESC"])
     by_step: dict[int, dict] = {}
     for r in full_first(runs):
         their_step = int(r.data.tags.get("step", "0") or 0)

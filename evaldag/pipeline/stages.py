@@ -187,6 +187,7 @@ class _ShardRun:
         self.runs = plan.shard_runs(shard)     # (first sample index, samples) of each problem here
         self.done = 0                   # problems whose rows are generated (resumed ones included)
         self.tokens = 0                 # tokens of this run's finished requests
+        self.resumed_tokens = 0         # tokens of the rows an earlier attempt wrote (progress counts them too)
         self.running_tokens = 0         # tokens of its requests still running, as the engine last reported them
         self.seconds = 0.0
         self._published = -float("inf")
@@ -222,7 +223,7 @@ class _ShardRun:
             return
         self._published = now
         # never backwards: a finished request's final count can be below what its last running report estimated
-        self._reported_tokens = max(self._reported_tokens, self.tokens + self.running_tokens)
+        self._reported_tokens = max(self._reported_tokens, self.resumed_tokens + self.tokens + self.running_tokens)
         est = self.time_left.estimate(self.tokens + self.running_tokens, self.running_counts,
                                       self.not_started()) if self.time_left is not None else None
         self._progress(ShardProgress(self.done, len(self.prompts), self._reported_tokens,
@@ -264,6 +265,8 @@ class _PerBatch(_ShardRun):
                      if not self._chunk(b).is_file()]
         todo_ids = {b for b, _ in self.todo}
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
+        self.resumed_tokens = sum(int(read_table(self._chunk(b), GENERATION_SCHEMA)["completion_tokens"].sum())
+                                  for b in range(len(self.batches)) if b not in todo_ids)
         self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
         self.start_forecast([i for b, _ in self.todo for i in self.batches[b]])
 
@@ -312,7 +315,7 @@ class _PerRequest(_ShardRun):
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        written = _written_samples(self.chunks)
+        written, self.resumed_tokens = _written_samples(self.chunks)
         self.todo = [i for i, r in enumerate(self.records) if r["sample_id"] not in written]
         self.done = len(self.prompts) - len(self.todo)
         self.resumed = {"resumed_requests": self.done}
@@ -414,11 +417,14 @@ class _PerRequest(_ShardRun):
         self._pending, self._pending_requests = [], 0
 
 
-def _written_samples(chunks: UPath) -> set[str]:
-    """The sample ids whose rows are already in a chunk (a request's n rows are written together)."""
+def _written_samples(chunks: UPath) -> tuple[set[str], int]:
+    """The sample ids whose rows are already in a chunk (a request's n rows are written together), and the tokens
+    of those rows."""
     if not chunks.is_dir():
-        return set()
-    return {sid for p in store.chunk_files(chunks) for sid in read_table(p, GENERATION_SCHEMA)["sample_id"].to_list()}
+        return set(), 0
+    tables = [read_table(p, GENERATION_SCHEMA) for p in store.chunk_files(chunks)]
+    return ({sid for t in tables for sid in t["sample_id"].to_list()},
+            sum(int(t["completion_tokens"].sum()) for t in tables))
 
 
 def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:

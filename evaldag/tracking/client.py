@@ -12,6 +12,22 @@ def mlflow_client():
     return MlflowClient()
 
 
+# Runs per search request; MLflow's servers take at most 50,000.
+PAGE = 10_000
+
+
+def all_runs(client, experiment_ids: list[str], **search) -> list:
+    """Every run `client.search_runs(experiment_ids, **search)` finds, page after page: one search returns at most
+    a page, and a long-lived deployment (a sweeper over years of checkpoints) has more finished runs than that."""
+    runs, token = [], None
+    while True:
+        page = client.search_runs(experiment_ids, max_results=PAGE, page_token=token, **search)
+        runs.extend(page)
+        token = getattr(page, "token", None)
+        if not token:
+            return runs
+
+
 def preload() -> None:
     """Import the MLflow client now. It is imported where it is used, not with this module: 2-3 s of imports that
     an evaluation flow would otherwise pay before its shards start; the flow calls this while they run instead."""
@@ -19,4 +35,4 @@ def preload() -> None:
     import mlflow.tracking  # noqa: F401
 
 
-__all__ = ["mlflow_client", "preload"]
+__all__ = ["PAGE", "all_runs", "mlflow_client", "preload"]

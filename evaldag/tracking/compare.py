@@ -9,6 +9,7 @@ from pathlib import Path
 import polars as pl
 
 from evaldag.scoring.diagnostics import Diagnostic
+from evaldag.tracking.client import all_runs
 from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, FINAL_STEP_TAG
 
 
@@ -29,8 +30,8 @@ def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | No
     # (MLflow's search has no IN for tags: several jobs are kept below)
     rows = []
     if exps:
-        for r in client.search_runs([e.experiment_id for e in exps], filter_string=filt, max_results=50000,
-                                    order_by=["attributes.start_time DESC"]):
+        for r in all_runs(client, [e.experiment_id for e in exps], filter_string=filt,
+                          order_by=["attributes.start_time DESC"]):
             m, t = r.data.metrics, r.data.tags
             if "accuracy" not in m or (jobs and t.get("train_run") not in jobs):
                 continue

@@ -23,8 +23,7 @@ def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
     exp = client.get_experiment_by_name(experiment_name(benchmark))
     if exp is None:
         return set()
-    runs = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'FINISHED'",
-                              max_results=50000)
+    runs = tracking_client.all_runs(client, [exp.experiment_id], filter_string="attributes.status = 'FINISHED'")
     return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")),
              r.data.tags.get(SETTINGS_TAG, "")) for r in runs}
 
@@ -64,9 +63,8 @@ def job_history(client, experiment_id: str, train_run: str, comparison: str | No
     With `comparison` (evaldag.decisions.series.comparison_key), only the evaluations that measured the same thing: a quick
     slice or another sampling setting is another series, never a point of this one."""
     like = f" and tags.`{COMPARISON_TAG}` = '{comparison}'" if comparison else ""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
-                              f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"],
-                              max_results=5000)
+    runs = tracking_client.all_runs(client, [experiment_id], filter_string=f"tags.train_run = '{train_run}' and "
+                                    f"attributes.status = 'FINISHED'{like}", order_by=["attributes.start_time DESC"])
     rows = [row for job_rows in _history_rows(runs).values() for row in job_rows]
     return pl.DataFrame(rows, schema=_HISTORY_SCHEMA).sort("step")
 
@@ -74,9 +72,9 @@ def job_history(client, experiment_id: str, train_run: str, comparison: str | No
 def comparable_histories(client, experiment_id: str, comparison: str) -> dict[str, pl.DataFrame]:
     """`job_history` of every training job with evaluations of comparison key `comparison`, by job: what a job
     can be compared with at the same step (evaldag.forecast.falling_behind)."""
-    runs = client.search_runs([experiment_id], filter_string=f"tags.`{COMPARISON_TAG}` = '{comparison}' and "
-                              "attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
-                              max_results=50000)
+    runs = tracking_client.all_runs(client, [experiment_id], filter_string=f"tags.`{COMPARISON_TAG}` = "
+                                    f"'{comparison}' and attributes.status = 'FINISHED'",
+                                    order_by=["attributes.start_time DESC"])
     return {job: pl.DataFrame(rows, schema=_HISTORY_SCHEMA).sort("step")
             for job, rows in _history_rows(runs).items() if job}
 
