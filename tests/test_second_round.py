@@ -11,10 +11,10 @@ import polars as pl
 import pytest
 
 from conftest import complete_checkpoint
+from index_engine import ByIndexEngine
 from evaldag import engines
 from evaldag.decisions import adaptive
 from evaldag.decisions.series import comparison_key
-from evaldag.engines.base import Completion, Finished, Running, request_seed
 from evaldag.errors import ConfigError
 from evaldag.pipeline import stages
 from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
@@ -25,30 +25,13 @@ from evaldag.request.second_round import plan_runs, resolve_second_round, second
 PATTERNS = (lambda k: False, lambda k: True, lambda k: k % 2 == 0, lambda k: k % 4 == 0)
 
 
-class PatternEngine:
-    """A stand-in for vLLM's per-request generation (named fake: the real engine is in tests/engine_vllm): sample k
-    of a request seeded `request_seed(seed, sample id) + first` is sample index first + k, as vLLM seeds them."""
+class PatternEngine(ByIndexEngine):
+    """Right at sample `index` of a prompt when its rule says so (index_engine: the named fake of vLLM's seeding)."""
 
-    base: dict = {}       # prompt -> request_seed(seed, sample id)
-    gold: dict = {}       # prompt -> gold
     rule: dict = {}       # prompt -> PATTERNS entry
-    generated: list = []  # (prompt, sample index) of every sample drawn
 
-    def generate_requests(self, requests, sampling, max_in_flight=None):
-        for r in requests:
-            yield Running(tokens=0, counts=())
-            comps = []
-            for k in range(r.n or sampling.n):
-                index = r.seed + k - type(self).base[r.prompt]
-                type(self).generated.append((r.prompt, index))
-                answer = type(self).gold[r.prompt] if type(self).rule[r.prompt](index) else "-12345"
-                comps.append(Completion(text=f"\\boxed{{{answer}}}", token_ids=[1, 2], prompt_tokens=5,
-                                        completion_tokens=2, finish_reason="stop", latency_s=0.01,
-                                        batch_size=len(requests)))
-            yield Finished(r.key, comps)
-
-    def close(self) -> None:
-        pass
+    def answer(self, prompt: str, index: int) -> str:
+        return type(self).gold[prompt] if type(self).rule[prompt](index) else "-12345"
 
 
 @pytest.fixture
@@ -67,10 +50,8 @@ def _request(ckpt, **adaptive_settings) -> EvalRequest:
 
 
 def _teach(plan, patterns=PATTERNS) -> None:
-    rows = plan.inputs().sort("sample_id")
-    prompts, ids = rows["prompt"].to_list(), rows["sample_id"].to_list()
-    PatternEngine.base = {p: request_seed(plan.sampling.seed, s) for p, s in zip(prompts, ids)}
-    PatternEngine.gold = dict(zip(prompts, rows["gold"].to_list()))
+    PatternEngine.learn(plan)
+    prompts = plan.inputs().sort("sample_id")["prompt"].to_list()
     PatternEngine.rule = {p: patterns[j % len(patterns)] for j, p in enumerate(prompts)}
 
 

@@ -14,9 +14,10 @@ import pytest
 from upath import UPath
 
 from conftest import complete_checkpoint
+from index_engine import ByIndexEngine
 from evaldag import engines, paths
 from evaldag.pipeline import stages
-from evaldag.engines.base import Completion, EngineBase, Finished, Running, request_seed
+from evaldag.engines.base import Completion, EngineBase
 from evaldag.request.plan import EvalRequest, resolve
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
 from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
@@ -585,31 +586,16 @@ def test_a_shards_inputs_are_read_once_per_process(setup, monkeypatch):
 
 # ---- found by review: answer groups of split problems, the merge's check --------------------------------------
 
-class VotingEngine(StreamingEngine):
+class VotingEngine(ByIndexEngine):
     """Answers by sample index: sample 0 says 7 (wrong), 1 and 2 the gold, 3 says 9 (wrong). maj@4 is then
     correct for every problem (the gold has 2 votes, each wrong answer 1)."""
 
-    base: dict = {}       # prompt -> request_seed(seed, sample id)
-    gold: dict = {}       # prompt -> gold
-
-    def generate_requests(self, requests, sampling, max_in_flight=None):
-        for r in requests:
-            yield Running(tokens=0, counts=())
-            comps = []
-            for k in range(r.n or sampling.n):
-                index = r.seed + k - type(self).base[r.prompt]
-                answer = {0: "7", 3: "9"}.get(index, str(int(type(self).gold[r.prompt])))
-                comps.append(Completion(text=f"\\boxed{{{answer}}}", token_ids=[1, 2], prompt_tokens=5,
-                                        completion_tokens=2, finish_reason="stop", latency_s=0.01,
-                                        batch_size=len(requests)))
-            yield Finished(r.key, comps)
+    def answer(self, prompt: str, index: int) -> str:
+        return {0: "7", 3: "9"}.get(index, str(int(type(self).gold[prompt])))
 
 
 def _metrics(plan):
-    rows = plan.inputs()
-    VotingEngine.base = {p: request_seed(plan.sampling.seed, s)
-                         for p, s in zip(rows["prompt"].to_list(), rows["sample_id"].to_list())}
-    VotingEngine.gold = dict(zip(rows["prompt"].to_list(), rows["gold"].to_list()))
+    VotingEngine.learn(plan)
     paths = []
     for s in range(plan.num_shards):
         generate_shard(plan, s)
