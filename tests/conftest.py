@@ -10,6 +10,7 @@ only when a test asks for it.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
@@ -155,3 +156,34 @@ def _model_needs_its_mark(request, monkeypatch):
         return real(name, model_path, *args, **kwargs)
 
     monkeypatch.setattr(engines, "load_engine", guarded)
+
+
+@pytest.fixture
+def configs(tmp_path, monkeypatch):
+    """A writable copy of configs/ that the loaders use."""
+    from evaldag import paths
+
+    folder = tmp_path / "configs"
+    shutil.copytree(paths.REPO_ROOT / "configs", folder)
+    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A fresh SQLite MLflow store for the test, its artifacts under tmp_path (the store's default artifact root is
+    ./mlruns); returns its tracking URI."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)
+    return uri
+
+
+@pytest.fixture
+def sqlite_mlflow(mlflow_store):
+    """mlflow_store, also set in mlflow itself for the test (an earlier test's set_tracking_uri would win over the
+    variable) and taken back after it."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(mlflow_store):
+        yield mlflow_store

@@ -16,13 +16,6 @@ from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
 from evaldag.tracking.write import ensure_experiment, parent_run
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
-
-
 def _log_eval(client, exp_id: str, job: str, step: int, acc: float, reward: float) -> None:
     run = client.create_run(exp_id, run_name=f"{job}@{step}", tags={
         "kind": "ckpt_eval", "train_run": job, "benchmark": "math500", "step": f"{step:012d}"})

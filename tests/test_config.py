@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 
-from evaldag import paths
 from evaldag.request import config
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalRequest
-
-
-@pytest.fixture
-def configs(tmp_path, monkeypatch):
-    """A writable copy of configs/ that the loaders use."""
-    dst = tmp_path / "configs"
-    shutil.copytree(paths.REPO_ROOT / "configs", dst)
-    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(dst))
-    return dst
 
 
 @pytest.mark.parametrize("name", ["math500", "aime24", "gsm8k", "amc23"])

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import complete_checkpoint
 
-from evaldag import engines, paths
+from evaldag import engines
 from evaldag.engines.base import Completion, EngineBase
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalRequest, resolve
@@ -63,14 +63,6 @@ class WindowedEngine(EngineBase):
 
     def close(self):
         pass
-
-
-@pytest.fixture
-def configs(tmp_path, monkeypatch):
-    configs = tmp_path / "configs"
-    shutil.copytree(paths.REPO_ROOT / "configs", configs)
-    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(configs))
-    return configs
 
 
 def test_a_shard_that_overflows_the_window_generates_nothing(tmp_path, configs, monkeypatch):

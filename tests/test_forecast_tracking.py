@@ -8,15 +8,7 @@ from __future__ import annotations
 import json
 
 import polars as pl
-import pytest
 from conftest import complete_checkpoint
-
-
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
-    monkeypatch.chdir(tmp_path)                     # the store's default artifact root is ./mlruns
-    return tmp_path
 
 
 def _track(tmp_path, job: str, step: int, accuracy: float, final_step: int | None):
@@ -32,7 +24,7 @@ def _track(tmp_path, job: str, step: int, accuracy: float, final_step: int | Non
     return track(plan, metrics, flow_run_id=f"fr-{job}-{step}")
 
 
-def test_parent_run_gets_the_forecast_and_a_lagging_job_is_flagged(mlflow_store):
+def test_parent_run_gets_the_forecast_and_a_lagging_job_is_flagged(mlflow_store, tmp_path):
     from mlflow import MlflowClient
 
     from evaldag.decisions.forecast import sigmoid
@@ -40,8 +32,8 @@ def test_parent_run_gets_the_forecast_and_a_lagging_job_is_flagged(mlflow_store)
 
     steps = [100, 200, 300, 400, 500]
     for s in steps:                                                  # the leading job, no final step named
-        _track(mlflow_store, "lead", s, round(float(sigmoid(s, 0.7, 0.2, 300, 1.5)), 3), None)
-    runs = [_track(mlflow_store, "lag", s, round(float(sigmoid(s, 0.7, 0.2, 300, 1.5)) - 0.15, 3), 1000)
+        _track(tmp_path, "lead", s, round(float(sigmoid(s, 0.7, 0.2, 300, 1.5)), 3), None)
+    runs = [_track(tmp_path, "lag", s, round(float(sigmoid(s, 0.7, 0.2, 300, 1.5)) - 0.15, 3), 1000)
             for s in steps]
 
     client = MlflowClient()

@@ -10,21 +10,8 @@ import polars as pl
 import pytest
 
 from conftest import complete_checkpoint
-import test_tracking
-import test_verdicts
 
 # the fixtures: a copy of the configs a test may change, a SQLite MLflow store
-configs, mlflow_store = test_tracking.configs, test_verdicts.mlflow_store
-
-
-@pytest.fixture
-def sqlite_mlflow(mlflow_store):
-    """mlflow_store, also set in mlflow itself for the test (an earlier test's set_tracking_uri would win over the
-    variable) and taken back after it."""
-    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
-
-    with _use_tracking_uri(mlflow_store):
-        yield mlflow_store
 
 
 def _plan(tmp_path: Path, step: int, train_run: str):

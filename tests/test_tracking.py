@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -56,16 +55,6 @@ def mlflow_server(tmp_path_factory):
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
-
-
-@pytest.fixture
-def configs(tmp_path, monkeypatch):
-    from evaldag import paths
-
-    folder = tmp_path / "configs"
-    shutil.copytree(paths.REPO_ROOT / "configs", folder)
-    monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(folder))
-    return folder
 
 
 def _finished_plan(tmp_path: Path, step: int, train_run: str, **request) -> str:

@@ -233,14 +233,6 @@ def test_pairing_previous_best_and_baseline_within_one_comparison_key():
     assert out["diff"].to_list()[0] == pytest.approx(acc["r1"] - acc["base"])
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.chdir(tmp_path)
-    return uri
-
-
 def _log_eval(client, exp_id: str, job: str, step: int, acc: float, key: str = "K") -> str:
     from evaldag.tracking.names import COMPARISON_TAG
 
