@@ -251,3 +251,22 @@ def test_a_jobs_history_takes_an_adaptive_runs_own_standard_errors():
     assert rows[1]["reward_se"] == pytest.approx(0.5 / 20) and rows[1]["accuracy_se"] == pytest.approx(
         math.sqrt(0.25 * 0.75 / 400))
     assert rows[2]["reward_se"] == pytest.approx(0.5 / math.sqrt(360)) and rows[2]["accuracy_se"] == 0.04
+
+
+def test_evaldag_run_adaptive_options_become_the_flows_parameters(monkeypatch):
+    from typer.testing import CliRunner
+
+    from evaldag.cli import app
+    from evaldag.runtime import runner
+    from evaldag.runtime import stack as stack_module
+
+    sent = []
+    monkeypatch.setattr(stack_module, "Stack", lambda *a, **k: None)
+    monkeypatch.setattr(runner, "run_and_report", lambda stack, benchmark, params: sent.append((benchmark, params)))
+    result = CliRunner().invoke(app, ["run", "aime24", "--temperature", "0.6", "--adaptive-budget", "960"])
+    assert result.exit_code == 0, result.output
+    assert sent == [("aime24", {"sampling": {"temperature": 0.6}, "adaptive": {"budget": 960}})]
+    result = CliRunner().invoke(app, ["run", "aime24", "--temperature", "0.6", "--adaptive-width", "0.05"])
+    assert result.exit_code == 0 and sent[-1][1]["adaptive"] == {"target_ci_width": 0.05}
+    result = CliRunner().invoke(app, ["run", "aime24", "--adaptive-budget", "960", "--adaptive-width", "0.05"])
+    assert result.exit_code == 2 and "give one" in result.output and len(sent) == 2
