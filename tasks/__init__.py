@@ -1,5 +1,5 @@
 """Every Prefect task of the flows, thin wrappers that add retries, timeouts and logging to core functions: the
-parent's (resolve, launch_shard, reduce, track, start_evaluation, lookup), the shard's (shard_stages: generate and
+parent's (resolve, launch_shard, reduce, track, start_evaluation, lookup, decide, second_round), the shard's (shard_stages: generate and
 grade; gpu_slots: the GPU slots it holds while generating), and the retry rule they share (retry)."""
 
 import logging
