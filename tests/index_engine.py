@@ -15,11 +15,12 @@ class ByIndexEngine:
 
     @classmethod
     def learn(cls, plan) -> None:
-        """The seeds and golds of the plan's problems."""
+        """The seeds and golds of the plan's problems; forgets what was generated before."""
         rows = plan.inputs()
         prompts, ids = rows["prompt"].to_list(), rows["sample_id"].to_list()
         cls.base = {p: request_seed(plan.sampling.seed, s) for p, s in zip(prompts, ids)}
         cls.gold = dict(zip(prompts, rows["gold"].to_list()))
+        cls.generated = []
 
     def answer(self, prompt: str, index: int) -> str:
         raise NotImplementedError

@@ -268,5 +268,6 @@ def test_evaldag_run_adaptive_options_become_the_flows_parameters(monkeypatch):
     assert sent == [("aime24", {"sampling": {"temperature": 0.6}, "adaptive": {"budget": 960}})]
     result = CliRunner().invoke(app, ["run", "aime24", "--temperature", "0.6", "--adaptive-width", "0.05"])
     assert result.exit_code == 0 and sent[-1][1]["adaptive"] == {"target_ci_width": 0.05}
-    result = CliRunner().invoke(app, ["run", "aime24", "--adaptive-budget", "960", "--adaptive-width", "0.05"])
+    result = CliRunner().invoke(app, ["run", "aime24", "--adaptive-budget", "960", "--adaptive-width", "0.05"],
+                                env={"COLUMNS": "200"})       # rich wraps the error box at the terminal's width
     assert result.exit_code == 2 and "give one" in result.output and len(sent) == 2

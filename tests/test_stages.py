@@ -278,7 +278,7 @@ def test_progress_is_reported_per_batch_and_on_resume_and_reuse(setup):
     assert heard == [(2, 3, 6), (3, 3, 9)]     # resumed from the first batch's chunk, its tokens still counted
     heard.clear()
     generate_shard(plan, 0, lambda p: heard.append((p.done, p.total, p.tokens)))
-    assert heard == [(3, 3, 0)]                                # reused
+    assert heard == [(3, 3, 9)]                  # reused: complete at once, with the tokens of its rows
 
 
 # ---------------------------------------------------------------------- per-request engines (vLLM's way)

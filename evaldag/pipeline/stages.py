@@ -104,9 +104,10 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
         if out.is_file():
             log.info("shard %d: generations already in %s, reusing them", shard, out)
             _record_stage(plan, shard, "generate", computed=False)
-            if progress is not None:
+            if progress is not None:     # its tokens too: a retried shard's count must not fall back to 0
                 total = plan.shard_inputs(shard).height
-                progress(ShardProgress(total, total, 0, tokens_left=0, seconds_left=0.0, unit=plan.progress_unit))
+                progress(ShardProgress(total, total, _tokens_of(out), tokens_left=0, seconds_left=0.0,
+                                       unit=plan.progress_unit))
         else:
             if not _generate(plan, shard, out, progress):
                 return None
@@ -186,8 +187,10 @@ class _ShardRun:
         self.prompts = inputs["prompt"].to_list()
         self.runs = plan.shard_runs(shard)     # (first sample index, samples) of each problem here
         self.done = 0                   # problems whose rows are generated (resumed ones included)
+        # Two token counts, both right: `tokens` is this attempt's (its rate, log lines and stats), progress adds
+        # `resumed_tokens`, those of the rows an earlier attempt kept, so the evaluation's count never falls back
         self.tokens = 0                 # tokens of this run's finished requests
-        self.resumed_tokens = 0         # tokens of the rows an earlier attempt wrote (progress counts them too)
+        self.resumed_tokens = 0
         self.running_tokens = 0         # tokens of its requests still running, as the engine last reported them
         self.seconds = 0.0
         self._published = -float("inf")
@@ -265,8 +268,7 @@ class _PerBatch(_ShardRun):
                      if not self._chunk(b).is_file()]
         todo_ids = {b for b, _ in self.todo}
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
-        self.resumed_tokens = sum(int(read_table(self._chunk(b), GENERATION_SCHEMA)["completion_tokens"].sum())
-                                  for b in range(len(self.batches)) if b not in todo_ids)
+        self.resumed_tokens = sum(_tokens_of(self._chunk(b)) for b in range(len(self.batches)) if b not in todo_ids)
         self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
         self.start_forecast([i for b, _ in self.todo for i in self.batches[b]])
 
@@ -417,14 +419,22 @@ class _PerRequest(_ShardRun):
         self._pending, self._pending_requests = [], 0
 
 
+def _tokens_of(path: UPath) -> int:
+    """The completion tokens of a generations file or chunk."""
+    return int(read_table(path, GENERATION_SCHEMA, columns=["completion_tokens"])["completion_tokens"].sum())
+
+
 def _written_samples(chunks: UPath) -> tuple[set[str], int]:
     """The sample ids whose rows are already in a chunk (a request's n rows are written together), and the tokens
     of those rows."""
     if not chunks.is_dir():
         return set(), 0
-    tables = [read_table(p, GENERATION_SCHEMA) for p in store.chunk_files(chunks)]
-    return ({sid for t in tables for sid in t["sample_id"].to_list()},
-            sum(int(t["completion_tokens"].sum()) for t in tables))
+    ids, tokens = set(), 0
+    for p in store.chunk_files(chunks):
+        t = read_table(p, GENERATION_SCHEMA, columns=["sample_id", "completion_tokens"])
+        ids.update(t["sample_id"].to_list())
+        tokens += int(t["completion_tokens"].sum())
+    return ids, tokens
 
 
 def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:

@@ -80,8 +80,9 @@ def write_table(df: pl.DataFrame, path: str | PathLike, schema: dict[str, pl.Dat
                                metadata={"evaldag.schema_version": SCHEMA_VERSION})
 
 
-def read_table(path: str | PathLike, schema: dict[str, pl.DataType]) -> pl.DataFrame:
-    """Read a stage file of the result store, checking its schema version and columns."""
+def read_table(path: str | PathLike, schema: dict[str, pl.DataType], columns: list[str] | None = None) -> pl.DataFrame:
+    """Read a stage file of the result store, checking its schema version and columns (only `columns` of the
+    schema's, where given)."""
     from evaldag.storage import store
 
     path = store.as_path(path)
@@ -92,4 +93,6 @@ def read_table(path: str | PathLike, schema: dict[str, pl.DataType]) -> pl.DataF
     if version != SCHEMA_VERSION:
         raise ValueError(f"{path} has schema version {version!r}, this evaldag reads {SCHEMA_VERSION!r}; "
                          "re-run the stage that wrote it")
-    return conform(pl.read_parquet(io.BytesIO(data)), schema)
+    if columns is not None:
+        schema = {c: schema[c] for c in columns}
+    return conform(pl.read_parquet(io.BytesIO(data), columns=list(schema) if columns is not None else None), schema)

@@ -12,20 +12,22 @@ def mlflow_client():
     return MlflowClient()
 
 
-# Runs per search request; MLflow's servers take at most 50,000.
-PAGE = 10_000
+# Runs per search request: MLflow's servers take at most 50,000 (and page by offset, so fewer, larger pages leave
+# less room for a run deleted mid-read to shift one past a page boundary).
+PAGE = 50_000
 
 
 def all_runs(client, experiment_ids: list[str], **search) -> list:
     """Every run `client.search_runs(experiment_ids, **search)` finds, page after page: one search returns at most
     a page, and a long-lived deployment (a sweeper over years of checkpoints) has more finished runs than that."""
-    runs, token = [], None
+    runs, token, seen = [], None, set()
     while True:
         page = client.search_runs(experiment_ids, max_results=PAGE, page_token=token, **search)
         runs.extend(page)
         token = getattr(page, "token", None)
-        if not token:
+        if not token or not page or token in seen:   # the last page (a store that repeats a token: stop too)
             return runs
+        seen.add(token)
 
 
 def preload() -> None:
