@@ -253,10 +253,14 @@ def test_the_sweeper_joins_the_evaluation_a_trainer_filed_under_another_name(tri
     notifier.notify(ckpt, step=500)
     [first] = _wait_for(lambda: [r for r in _runs("math500") if r.parameters.get("train_run") == "grpo-alias"],
                         timeout=120, every=0.5)
-    fr = run_deployment("eval-sweeper/hourly", parameters={"roots": [str(ROOT / "named-run")]},
-                        timeout=300, poll_interval=1)
-    assert fr.state.is_completed(), fr.state.message
-    assert [s["flow_run_id"] for s in fr.state.result()["started"]] == [str(first.id)]
+    # The sweep runs in this process, with the deployment's settings, so that it looks while the evaluation is under
+    # way: a deployment run's start (a worker's poll, a process, imports) can take as long as this small evaluation,
+    # which then is found finished instead (CI saw it once). The deployment path is the other sweeper tests'.
+    from flows.sweeper_flow import eval_sweeper
+
+    swept = eval_sweeper(roots=[str(ROOT / "named-run")], benchmarks=["math500"], eval_overrides=SMALL)
+    assert swept["already_evaluated"] == 0, "the evaluation finished before the sweep: nothing was joined"
+    assert [s["flow_run_id"] for s in swept["started"]] == [str(first.id)]
     assert _final_run_for("math500", lambda r: r.id == first.id).state.is_completed()
     assert not [r for r in _runs("math500") if r.parameters.get("train_run") == "named-run"]
 
