@@ -17,7 +17,7 @@ def second_round_task(plan_path: str, graded_paths: list[str]) -> str | None:
     """The second round's plan path of the adaptive evaluation at `plan_path`, from its first round's graded files;
     None when the design draws no more samples."""
     plan = load_plan(plan_path)
-    rows = pl.concat([read_table(p, GRADED_SCHEMA).select("sample_id", "sample_index", "correct")
+    rows = pl.concat([read_table(p, GRADED_SCHEMA, columns=["sample_id", "sample_index", "correct"])
                       for p in graded_paths])
     second = resolve_second_round(plan, rows)
     log = get_run_logger()

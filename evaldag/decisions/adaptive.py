@@ -238,6 +238,11 @@ def _next_round(counts: pl.DataFrame, settings: AdaptiveSettings, p: Plan) -> pl
 def estimate(counts: pl.DataFrame, settings: AdaptiveSettings) -> AdaptiveEstimate:
     """The mean accuracy and its intervals (module docstring, step 3) once `next_round` says nothing is left.
     Raises ValueError, naming the problems, while a plan is not complete."""
+    return _estimate(counts, settings)[0]
+
+
+def _estimate(counts: pl.DataFrame, settings: AdaptiveSettings) -> tuple[AdaptiveEstimate, Plan, np.ndarray]:
+    """`estimate`, with the plan it was made under and each problem's estimate T (in the order of `counts`)."""
     counts = _checked(counts, settings)
     if (counts["n"] < settings.n0).any():
         raise ValueError("the first round is not complete: draw next_round's samples first")
@@ -258,31 +263,25 @@ def estimate(counts: pl.DataFrame, settings: AdaptiveSettings) -> AdaptiveEstima
     mean = float(t.mean())
     pop_se = float(t.std(ddof=1) / math.sqrt(m)) if m > 1 else float("nan")
     tq = float(student_t.ppf(0.5 + settings.confidence / 2, m - 1)) if m > 1 else float("nan")
-    return AdaptiveEstimate(mean=mean, se=se, ci_low=mean - z * se, ci_high=mean + z * se, population_se=pop_se,
-                            population_ci_low=mean - tq * pop_se, population_ci_high=mean + tq * pop_se,
-                            problems=m, samples=int(n.sum()), confidence=settings.confidence)
+    est = AdaptiveEstimate(mean=mean, se=se, ci_low=mean - z * se, ci_high=mean + z * se, population_se=pop_se,
+                           population_ci_low=mean - tq * pop_se, population_ci_high=mean + tq * pop_se,
+                           problems=m, samples=int(n.sum()), confidence=settings.confidence)
+    return est, p, t
 
 
-def problem_estimates(counts: pl.DataFrame, settings: AdaptiveSettings) -> pl.DataFrame:
-    """Each problem's two-stage estimate T (sample_id, estimate), whose mean is `estimate`'s: what paired verdicts
-    compare per problem (a problem's plain mean of all its samples leans towards its first round)."""
-    counts = _checked(counts, settings)
-    p = plan(counts, settings)
-    s = counts["first_correct"].to_numpy()
-    t = estimates(p.weights, s, counts["correct"].to_numpy() - s)
-    return counts.select("sample_id").with_columns(estimate=pl.Series(t, dtype=pl.Float64))
+def evaluation_metrics(counts: pl.DataFrame, settings: AdaptiveSettings) -> tuple[dict[str, float], pl.DataFrame]:
+    """An adaptive evaluation's headline figures from its complete per-problem counts (both rounds; raises
+    ValueError, as `estimate`, while a planned sample is missing), and each problem's two-stage estimate
+    (sample_id, estimate), whose mean is the accuracy: what paired verdicts compare per problem (a problem's plain
+    mean of all its samples leans towards its first round).
 
-
-def evaluation_metrics(counts: pl.DataFrame, settings: AdaptiveSettings) -> dict[str, float]:
-    """An adaptive evaluation's headline figures from its complete per-problem counts (both rounds; `estimate`
-    raises while a planned sample is missing): `accuracy` is the estimate, `accuracy_ci_low`/`_high` its interval
-    with problems as draws (what a fixed-n evaluation's accuracy interval means; where every problem's estimate is
-    the same, the Wilson interval over problems, as for fixed n) and `accuracy_se` its standard error, and
-    `adaptive_*` the interval for this problem set, the width round 1 predicted, and the samples spent."""
+    `accuracy` is the estimate, `accuracy_ci_low`/`_high` its interval with problems as draws (what a fixed-n
+    evaluation's accuracy interval means; where every problem's estimate is the same, the Wilson interval over
+    problems, as for fixed n) and `accuracy_se` its standard error, and `adaptive_*` the interval for this problem
+    set, the width round 1 predicted, and the samples spent."""
     from evaldag.scoring.sampling_metrics import wilson_interval
 
-    est = estimate(counts, settings)
-    p = plan(counts, settings)
+    est, p, t = _estimate(counts, settings)
     # the estimator's sums can land a rounding error outside [0, 1] (every problem always wrong: -3e-16)
     mean = min(max(est.mean, 0.0), 1.0)
     low, high = est.population_ci_low, est.population_ci_high
@@ -295,8 +294,8 @@ def evaluation_metrics(counts: pl.DataFrame, settings: AdaptiveSettings) -> dict
         "adaptive_set_ci_width": est.ci_high - est.ci_low, "adaptive_predicted_width": p.predicted_width,
         "adaptive_samples": float(est.samples), "adaptive_samples_per_problem": est.samples / est.problems,
         "n_samples": float(est.samples),
-    }
+    }, _checked(counts, settings).select("sample_id").with_columns(estimate=pl.Series(t, dtype=pl.Float64))
 
 
 __all__ = ["AdaptiveEstimate", "AdaptiveSettings", "Plan", "counts_from_samples", "estimate", "evaluation_metrics",
-           "fit_prior", "next_round", "plan", "problem_estimates"]
+           "fit_prior", "next_round", "plan"]

@@ -678,16 +678,15 @@ def _cache_hit_rate(*plans: EvalPlan) -> float:
     return sum(s == "reused" for s in states) / len(states) if states else 0.0
 
 
-def _adaptive_counts(plan: EvalPlan, graded: pl.DataFrame) -> pl.DataFrame:
-    """Per-problem counts of an adaptive evaluation's rows; raises unless they are exactly what its rounds planned."""
-    n0 = plan.request.adaptive.n0
+def _adaptive_figures(plan: EvalPlan, graded: pl.DataFrame) -> tuple[dict[str, float], pl.DataFrame]:
+    """An adaptive evaluation's figures and per-problem estimates (evaldag.decisions.adaptive.evaluation_metrics);
+    raises unless its rows are exactly what its rounds planned."""
     try:
-        counts = adaptive_metrics.counts_from_samples(graded, n0)
-        adaptive_metrics.estimate(counts, plan.request.adaptive)     # raises while a planned sample is missing
+        counts = adaptive_metrics.counts_from_samples(graded, plan.request.adaptive.n0)
+        return adaptive_metrics.evaluation_metrics(counts, plan.request.adaptive)
     except ValueError as e:
         raise ValueError(f"{plan.benchmark.name}: the adaptive rounds' rows are not what their plans ask for "
                          f"({e}); a second-round shard's graded file is missing or counted twice") from None
-    return counts
 
 
 def _second_round(plan: EvalPlan) -> list[EvalPlan]:
@@ -739,11 +738,11 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     result["accuracy_ci_low"], result["accuracy_ci_high"] = result[f"avg@{n}_ci_low"], result[f"avg@{n}_ci_high"]
     scores = None
     if adaptive is not None:      # accuracy is the adaptive estimate over both rounds
-        counts = _adaptive_counts(plan, graded)
-        result.update(adaptive_metrics.evaluation_metrics(counts, adaptive))
+        figures, per_problem = _adaptive_figures(plan, graded)
+        result.update(figures)
         # rewards are over the first round: their standard error is over its samples, not all of them
         result["reward/se"] = result.get("reward/std", float("nan")) / math.sqrt(first.height)
-        scores = adaptive_metrics.problem_estimates(counts, adaptive).rename({"estimate": PROBLEM_SCORE})
+        scores = per_problem.rename({"estimate": PROBLEM_SCORE})
     if plan.reference is not None:
         from evaldag.scoring.kl import kl_metrics
 

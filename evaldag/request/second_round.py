@@ -77,7 +77,7 @@ def resolve_second_round(plan: EvalPlan, first_round: pl.DataFrame) -> EvalPlan 
     total = sum(more.values())
     if total == 0:
         # a plan an earlier attempt made from other first-round rows (regenerated since) must not be reduced with
-        store.as_path(second_round_path(plan)).unlink(missing_ok=True)
+        second_round_path(plan).unlink(missing_ok=True)
         return None
     ordered = [(sid, more[sid]) for sid in _ranked_ids(plan.inputs()) if more.get(sid, 0) > 0]
     num_shards = max(1, min(plan.num_shards, total // MIN_SEQUENCES_PER_SHARD))
