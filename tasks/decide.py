@@ -3,11 +3,12 @@ generate, read their chunks and stop them as soon as the verdict is decided."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Sequence
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectWrappedFuture
 
 from evaldag.decisions.decide import Decider, Decision, poll_seconds
 from evaldag.request.plan import EvalPlan, load_plan
@@ -43,14 +44,26 @@ def deciders_for(plan_paths: Sequence[str], plans: Sequence[EvalPlan]) -> tuple[
     return deciders, known
 
 
-def decide_while_generating(futures: list[PrefectFuture], deciders: dict[str, Decider]) -> dict[str, Decision]:
+def still_running(futures: Sequence[PrefectWrappedFuture], timeout: float) -> list[PrefectWrappedFuture]:
+    """The futures not done after waiting up to `timeout` seconds for all of them.
+
+    Not prefect.futures.wait(timeout=...): in a flow run's main thread that bounds the wait with SIGALRM, whose
+    handler raises into whatever the thread runs at that instant, an instant that falls on the wait's own timeout
+    at every poll. Once in a while it landed inside threading.Condition.wait, between releasing the lock and the
+    block that takes it back, and the parent flow failed with "RuntimeError: release unlocked lock" (seen in CI).
+    The standard library's wait times out without signals."""
+    concurrent.futures.wait([f.wrapped_future for f in futures], timeout=timeout)
+    return [f for f in futures if not f.wrapped_future.done()]
+
+
+def decide_while_generating(futures: list[PrefectWrappedFuture], deciders: dict[str, Decider]) -> dict[str, Decision]:
     """Wait for the shards' futures; meanwhile, every poll_seconds(), let each decider read the new rows, and stop
     the evaluations it decides (Decider.stop). Returns the decisions reached, by plan path."""
     log = get_run_logger()
     decided: dict[str, Decision] = {}
     every = poll_seconds()
     while True:
-        _, running = wait(futures, timeout=every)
+        running = still_running(futures, every)
         for path, decider in list(deciders.items()):
             try:
                 decision = decider.poll()

@@ -187,3 +187,40 @@ def sqlite_mlflow(mlflow_store):
 
     with _use_tracking_uri(mlflow_store):
         yield mlflow_store
+
+
+# A stack test that fails because a flow run failed shows only the run's one-line message (e.g. "RuntimeError: ..."):
+# the traceback lives in the run's logs on the Prefect server, which goes down with the session. So a failed stack
+# test's report carries the ERROR logs the server received while it ran.
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed and call.when == "call" and _STACK_FIXTURES & set(getattr(item, "fixturenames", ())):
+        try:
+            text = _error_logs_since(call.start)
+        except Exception as e:  # noqa: BLE001 - a report must not fail for want of its extra section
+            text = f"(could not read the Prefect server's logs: {e})"
+        if text:
+            report.sections.append(("flow runs' error logs", text))
+    return report
+
+
+def _error_logs_since(start: float, limit: int = 20, max_chars: int = 6000) -> str:
+    """The Prefect server's ERROR (and worse) logs since `start` (epoch seconds), newest last, each cut short."""
+    import asyncio
+    import datetime as dt
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterLevel, LogFilterTimestamp
+    from prefect.client.schemas.sorting import LogSort
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_logs(
+                log_filter=LogFilter(level=LogFilterLevel(ge_=40),
+                                     timestamp=LogFilterTimestamp(after_=dt.datetime.fromtimestamp(start, dt.UTC))),
+                sort=LogSort.TIMESTAMP_DESC, limit=limit)
+
+    logs = asyncio.run(read())
+    return "\n".join(f"{log.timestamp} flow run {log.flow_run_id} task run {log.task_run_id} [{log.name}]\n"
+                     f"{log.message[-max_chars:]}" for log in reversed(logs))

@@ -339,3 +339,30 @@ def test_a_decision_that_ran_to_the_end_counts_every_shards_reused_rows_as_reuse
                       for p in store.chunk_files(store.chunks_dir(plan.generations_path(s)))])
     final = decider.final(stages.grade_rows(plan, rows))
     assert (final.tokens_generated, final.tokens_reused) == (0, 80)
+
+
+def test_the_parent_waits_for_its_shards_without_an_alarm_signal(monkeypatch):
+    """The parent flow waits for its shards in short polls. Prefect's wait(timeout=...) bounds each with SIGALRM in
+    a flow's main thread, whose handler raised into the thread at the wait's own timeout, and once it landed inside
+    threading.Condition.wait and failed the evaluation ("RuntimeError: release unlocked lock", seen in CI). The
+    wait arms no timer, and still says which shards run."""
+    import concurrent.futures
+    import signal
+    import threading
+    import uuid
+
+    from prefect.futures import PrefectConcurrentFuture
+
+    from tasks.decide import still_running
+
+    assert threading.current_thread() is threading.main_thread()
+    armed = []
+    real = signal.setitimer
+    monkeypatch.setattr(signal, "setitimer", lambda which, *a: (armed.append((which, a)), real(which, *a))[1])
+    quick, slow = concurrent.futures.Future(), concurrent.futures.Future()
+    futures = [PrefectConcurrentFuture(uuid.uuid4(), quick), PrefectConcurrentFuture(uuid.uuid4(), slow)]
+    threading.Timer(0.05, quick.set_result, [1]).start()
+    assert still_running(futures, timeout=0.3) == [futures[1]]
+    slow.set_result(2)
+    assert still_running(futures, timeout=0.3) == []
+    assert armed == [], f"the wait armed a timer: {armed}"
