@@ -161,17 +161,22 @@ def solve_mu(w: Workload) -> float:
     return (lo + hi) / 2
 
 
+def difficulty(w: Workload, rng: np.random.Generator) -> tuple[float, np.ndarray]:
+    """The workload's log-median and a draw of every problem's difficulty d (log-length offset) [problems, 1]."""
+    return solve_mu(w), rng.normal(0.0, w.sigma_p, (w.problems, 1))
+
+
+def sample_lengths(w: Workload, mu: float, d: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One run's lengths [problems, n] for problems of difficulty d."""
+    x = np.exp(mu + d + rng.normal(0.0, w.sigma_s, (w.problems, w.n)))
+    return np.clip(np.rint(x), 1, w.max_tokens).astype(np.int64)
+
+
 def draw_lengths(w: Workload, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(lengths [problems, n] of this run, a previous run's lengths [problems, n]: an independent second draw with
     the same per-problem difficulty, what the previous checkpoint's evaluation of the same problems gives)."""
-    mu = solve_mu(w)
-    d = rng.normal(0.0, w.sigma_p, (w.problems, 1))
-
-    def draw() -> np.ndarray:
-        x = np.exp(mu + d + rng.normal(0.0, w.sigma_s, (w.problems, w.n)))
-        return np.clip(np.rint(x), 1, w.max_tokens).astype(np.int64)
-
-    return draw(), draw()
+    mu, d = difficulty(w, rng)
+    return sample_lengths(w, mu, d, rng), sample_lengths(w, mu, d, rng)
 
 
 @dataclass

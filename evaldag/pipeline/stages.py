@@ -32,7 +32,7 @@ from evaldag.decisions.verdicts import PROBLEM_SCORE
 from evaldag.pipeline.progress import ShardProgress
 from evaldag.storage.schema import (GENERATION_SCHEMA, GRADED_SCHEMA, INPUT_SCHEMA, LOGPROB_SCHEMA, read_table,
                             write_table)
-from evaldag.pipeline.time_left import TimeLeft
+from evaldag.pipeline.time_left import BASE_FRACTION, TimeLeft
 
 log = logging.getLogger("evaldag")
 
@@ -216,8 +216,11 @@ class _ShardRun:
         return {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), self.plan.sampling.seed))}
 
     def start_forecast(self, problems: list[int]) -> None:
-        """Forecast the end of these problems' completions (evaldag.pipeline.time_left)."""
-        self.time_left = TimeLeft(sum(self.runs[i][1] for i in problems), self.plan.sampling.max_new_tokens)
+        """Forecast the end of these problems' completions (evaldag.pipeline.time_left), with the step-time prior of
+        the engine's device."""
+        device = "cpu" if getattr(self.engine, "on_cpu", False) else "cuda"
+        self.time_left = TimeLeft(sum(self.runs[i][1] for i in problems), self.plan.sampling.max_new_tokens,
+                                  base_fraction=BASE_FRACTION[device])
 
     def report(self, force: bool = False) -> None:
         """Publish the progress, at most every PROGRESS_S seconds unless forced."""

