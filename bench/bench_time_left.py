@@ -141,7 +141,7 @@ def simulate(curve: Curve, seqs: list[tuple[int, int]], cap_tokens: int, report_
 
 
 MARKS = (0.2, 0.5, 0.8)
-FORECASTS = {"forecast": "evaldag (fitted step time, Kaplan-Meier lengths)",
+FORECASTS = {"forecast": "evaldag (fitted step time, estimated lengths)",
              "true_step": "  the same with the true step time",
              "true_lengths": "  the same with every true length",
              "rate": "  tokens left at the recent rate (before the step model)",

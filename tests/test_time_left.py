@@ -114,6 +114,10 @@ def test_the_step_time_line_is_fitted_to_the_run_and_falls_back_on_the_prior():
     assert full.step_s(100) == pytest.approx(0.11, rel=1e-6)
     assert full.base_s == pytest.approx(0.2 * 0.11, rel=1e-6)
     assert fit_step_model([], base_fraction=0.2) is None
+    # noise that makes more sequences look cheaper per step: no negative slope, the mean step time instead
+    noisy = fit_step_model([(100.0, c, 100.0 * c / s) for c, s in ((100, 0.05), (10, 0.08))], base_fraction=0.0,
+                           prior_weight_s=0.0)
+    assert noisy.per_seq_s == 0.0 and noisy.base_s == pytest.approx((0.05 + 0.08) / 2)
 
 
 def test_draining_an_engine_worked_by_hand():
@@ -121,32 +125,79 @@ def test_draining_an_engine_worked_by_hand():
     # steps at 2 running; a step of 1 s whatever the count, or of c seconds with c running
     assert drain_seconds(np.array([1.0, 3.0]), np.array([2.0]), 2, StepModel(1.0, 0.0)) == pytest.approx(3.0)
     assert drain_seconds(np.array([1.0, 3.0]), np.array([2.0]), 2, StepModel(0.0, 1.0)) == pytest.approx(6.0)
-    # one slot: 1, then 2, then what is left of the 3 (1 ran alone first... no: the 3 already runs) -> all in turn
+    # one slot, one sequence with 4 tokens to go: 4 steps of 0.5 + 0.5 x 1 s
     assert drain_seconds(np.array([4.0]), np.array([]), 1, StepModel(0.5, 0.5)) == pytest.approx(4.0)
     assert drain_seconds(np.array([]), np.array([]), 4, StepModel(1.0, 1.0)) == 0.0
 
 
-def test_lengths_past_the_longest_finished_follow_a_fitted_tail_not_the_cap():
-    """Once enough have finished, a completion running past every finished length is expected to end as a
-    log-normal fitted to all lengths says, not at the cap; the draws the forecast runs agree with the expectation."""
+def _mixture_left(tail, g, cap):
+    """E[min(L, cap) - g | L > g] under the tail's mixture, by a brute-force integral of its survival."""
+    from scipy.stats import lognorm
+
+    t = np.linspace(g, cap, 200_001)
+    ln = lognorm(s=tail.sigma, scale=np.exp(tail.mu))
+    surv = (1 - tail.runaway) * ln.sf(t) + tail.runaway
+    return float(np.sum((surv[1:] + surv[:-1]) / 2 * np.diff(t)) / surv[0])
+
+
+def test_the_tail_is_fitted_to_finished_and_running_lengths():
+    """A snapshot 1,500 tokens into 1,000 completions all started together: the finished ones are the short ones,
+    so a fit to them alone says mu 6.55, sigma 0.53; with the running ones as lengths known to be larger it finds
+    the truth (7, 0.8)."""
+    rng = np.random.default_rng(5)
+    lengths = np.rint(np.exp(rng.normal(7.0, 0.8, 1000))).astype(int)
+    finished, running = lengths[lengths <= 1500], [1500] * int((lengths > 1500).sum())
+    survival = Survival(finished, running, 32768)
+    tail = survival.tail
+    assert tail.mu == pytest.approx(7.0, abs=0.1) and tail.sigma == pytest.approx(0.8, abs=0.08)
+    # and the mean length is about the truth, 1,503 (every running one to the cap would make it 11,800)
+    assert survival.mean() == pytest.approx(lengths.mean(), rel=0.05)
+
+
+def test_lengths_past_the_longest_finished_follow_the_tail_not_the_cap():
+    """Past the longest finished length the expectation is the tail's (checked against a brute-force integral),
+    not the cap; the forecast's draws agree with it, before and past that length."""
     rng = np.random.default_rng(3)
     cap = 32768
     finished = np.minimum(np.rint(np.exp(rng.normal(7.0, 0.8, 400))), cap).astype(int)
     longest = int(finished.max())
-    running = [longest + 100, 2000, 50]
+    running = np.array([longest + 100, 2 * longest, 2000, 50], dtype=float)
     survival = Survival(finished, running, cap)
-    assert survival.tail is not None
-    assert survival.tail.mu == pytest.approx(7.0, abs=0.1) and survival.tail.sigma == pytest.approx(0.8, abs=0.1)
-    left = survival.mean_left(np.array(running, dtype=float))
-    assert left[0] < 0.25 * (cap - running[0])           # the cap is far in the log-normal's tail
-    draws = np.stack([survival.draw(np.array(running, dtype=float), rng) for _ in range(4000)])
-    assert (draws > np.array(running)).all() and (draws <= cap).all()
-    assert draws.mean(axis=0) - running == pytest.approx(left, rel=0.05)
-    unconditional = np.stack([survival.draw(np.zeros(1), rng) for _ in range(4000)])
-    assert unconditional.mean() == pytest.approx(survival.mean(), rel=0.05)
+    tail = survival.tail
+    assert tail is not None and tail.runaway == pytest.approx(1 / 402)
+    left = survival.mean_left(running)
+    for g, got in zip(running[:2], left[:2]):
+        assert got == pytest.approx(_mixture_left(tail, g, cap), rel=1e-3)
+    # 100 tokens past the longest of 400, the log-normal and the runaway share are about as likely: not all to the cap
+    assert left[0] < 0.9 * (cap - running[0])
+    draws = np.stack([survival.draw(running, rng) for _ in range(20_000)])
+    assert (draws > running).all() and (draws <= cap).all()
+    assert draws.mean(axis=0) - running == pytest.approx(left, rel=0.03)
+    unconditional = np.stack([survival.draw(np.zeros(1), rng) for _ in range(20_000)])
+    assert unconditional.mean() == pytest.approx(survival.mean(), rel=0.03)
     # too few finished to fit: past the longest, every completion runs to the cap (the worked cases above)
     few = Survival(finished[: TAIL_MIN_FINISHED - 1], [longest + 100], cap)
     assert few.tail is None and few.mean_left(np.array([longest + 100.0]))[0] == cap - longest - 100
+    assert (Survival([], [5], cap).draw(np.array([0.0, 5.0]), rng) == cap).all()
+
+
+def test_a_runaway_completion_is_forecast_to_the_cap_not_to_an_end_now():
+    """Answers of about 55 tokens, and one completion at 1,000 and counting (a repetition loop): the log-normal fitted
+    to the answers gives that length a probability far below 1e-300, so the runaway share decides and it is expected
+    to run to the cap; the shard does not say it is done."""
+    rng = np.random.default_rng(2)
+    cap = 4096
+    finished = np.rint(np.exp(rng.normal(4.0, 0.15, 200))).astype(int)
+    survival = Survival(finished, [1000], cap)
+    assert survival.mean_left(np.array([1000.0]))[0] == pytest.approx(cap - 1000, rel=1e-6)
+    assert (survival.draw(np.full(50, 1000.0), rng) == cap).all()
+    now = [0.0]
+    est = TimeLeft(201, cap, clock=lambda: now[0], min_span_s=1.0)
+    est.finish(finished.tolist())
+    for k in range(1, 4):
+        now[0] = 5.0 * k
+        e = est.estimate(int(finished.sum()) + 100 * k, [900 + 100 * k])
+    assert e.tokens_left == cap - 1200 and e.seconds_left > 0
 
 
 def _engine_run(rng, base_s, per_seq_s, base_fraction, slots=64, n=600, cap=8192, report_s=2.0):
@@ -187,16 +238,17 @@ def _engine_run(rng, base_s, per_seq_s, base_fraction, slots=64, n=600, cap=8192
 
 def test_the_forecast_knows_the_engine_slows_as_it_drains():
     """On a GPU-like engine (a step with 1 sequence costs a third of one with 64) the last sequences run at a fraction
-    of the full rate, so tokens left / the current rate forecasts far too early an end; running the rest on the step
-    time fitted with the device's prior does not (mean over runs, reports from 20 % of the work to the last 10 % of
-    the time). bench/bench_time_left.py measures it at 32k tokens, and with a prior that is off."""
+    of the full rate, so tokens left / the current rate forecasts too early an end, by 29-45 % on average over runs
+    (seeds 0-7); running the rest on the step time fitted with the device's prior is off by -8 to +16 % (reports
+    from 20 % of the work to the last 10 % of the time). bench/bench_time_left.py measures it at 32k tokens, and with
+    a prior that is off."""
     rng = np.random.default_rng(11)
     ours, rate = [], []
-    for _ in range(4):
+    for _ in range(6):
         end, rows = _engine_run(rng, base_s=0.007, per_seq_s=0.0002, base_fraction=0.007 / (0.007 + 0.0002 * 64))
         for work, truth, forecast, naive in rows:
             if work >= 0.2 and truth > 0.1 * end:
-                ours.append(abs(forecast - truth) / truth)
-                rate.append(abs(naive - truth) / truth)
-    assert np.mean(ours) < 0.15, np.mean(ours)
-    assert np.mean(rate) > 2 * np.mean(ours), (np.mean(rate), np.mean(ours))
+                ours.append((forecast - truth) / truth)
+                rate.append((naive - truth) / truth)
+    assert abs(np.mean(ours)) < 0.2 and np.mean(np.abs(ours)) < 0.25, (np.mean(ours), np.mean(np.abs(ours)))
+    assert np.mean(rate) < -0.25, np.mean(rate)

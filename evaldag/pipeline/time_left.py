@@ -48,8 +48,11 @@ BASE_FRACTION = {"cuda": 0.2, "cpu": 0.02}
 # How many seconds of measurement the prior weighs as: the fit follows the run's own rates once its running set has
 # drained for about this long.
 PRIOR_WEIGHT_S = 60.0
-# Runs of the rest of the shard averaged per forecast (seeded: the same state gives the same forecast).
+# Runs of the rest of the shard averaged per forecast (seeded: the same state gives the same forecast); fewer, down
+# to 2, where the sequences still waiting exceed DRAW_BUDGET / DRAWS (each waiting one is a heap step of a run: the
+# forecast runs in the shard's event loop, and a long queue averages its own lengths out).
 DRAWS = 8
+DRAW_BUDGET = 40_000
 # Finished completions needed before lengths past the longest one are extrapolated (LogNormalTail).
 TAIL_MIN_FINISHED = 20
 
@@ -63,18 +66,23 @@ class Estimate:
     seconds_left: float | None
 
 
-class LogNormalTail:
-    """Completion lengths past the longest one seen: a log-normal fitted by maximum likelihood to every length
-    known so far (finished ones observed; running ones, and finished ones cut at the cap, known only to be at least
-    that long). Where no completion has finished that long, Kaplan-Meier knows nothing of the lengths and would put
-    them all at the cap; at 32k-token caps that forecasts many times the truth in a run's first half."""
+class Tail:
+    """Completion lengths past the longest finished one, where Kaplan-Meier knows nothing (it would put them all at
+    the cap: at 32k-token caps many times the truth in a run's first half). A mixture: a log-normal fitted by
+    maximum likelihood to every length known so far (finished ones observed; running ones, and finished ones cut at
+    the cap, known only to be at least that long), and, with weight `runaway`, a completion that never stops before
+    the cap (a repetition loop). The runaway share is small (1 in finished + 2), so it matters only for a completion
+    already longer than the log-normal finds plausible: such a one is forecast to run to the cap, as before the tail.
 
-    def __init__(self, mu: float, sigma: float) -> None:
-        self.mu, self.sigma = mu, sigma
+    Computed in log space: a completion far past the fit has a tail probability below 1e-300."""
+
+    def __init__(self, mu: float, sigma: float, cap: int, runaway: float) -> None:
+        self.mu, self.sigma, self.cap, self.runaway = mu, sigma, cap, runaway
 
     @classmethod
-    def fit(cls, observed: np.ndarray, at_least: np.ndarray) -> LogNormalTail | None:
-        """The fit, or None with too few distinct finished lengths to fit two parameters (TAIL_MIN_FINISHED)."""
+    def fit(cls, observed: np.ndarray, at_least: np.ndarray, cap: int) -> Tail | None:
+        """The fit, or None with too few finished lengths below the cap (TAIL_MIN_FINISHED, two of them distinct)
+        to fit two parameters."""
         from scipy.optimize import minimize
         from scipy.special import log_ndtr
 
@@ -90,37 +98,57 @@ class LogNormalTail:
 
         start = np.array([x.mean(), np.log(max(x.std(), 0.05))])
         res = minimize(nll, start, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-3, "maxiter": 400})
-        return cls(float(res.x[0]), float(np.exp(res.x[1])))
+        mu, sigma = float(res.x[0]), float(np.exp(res.x[1]))
+        if not (np.isfinite(mu) and np.isfinite(sigma) and sigma > 0):
+            return None
+        return cls(mu, sigma, cap, runaway=1.0 / (observed.size + at_least[at_least >= cap].size + 2))
 
-    def survival(self, t: np.ndarray | float) -> np.ndarray:
-        """P(L > t)."""
-        from scipy.special import ndtr
+    def _log_t(self, t: np.ndarray) -> np.ndarray:
+        """log P(L > t) under the log-normal."""
+        from scipy.special import log_ndtr
 
-        return ndtr((self.mu - np.log(np.maximum(t, 1e-9))) / self.sigma)
+        return log_ndtr((self.mu - np.log(np.maximum(t, 1e-9))) / self.sigma)
 
-    def area(self, a: np.ndarray | float, b: float) -> np.ndarray:
-        """The integral of P(L > t) over [a, b]: E[min(L, b)] - E[min(L, a)]."""
-        from scipy.special import ndtr
+    def _weight(self, a: np.ndarray) -> np.ndarray:
+        """The log-normal's share of P(L > a) under the mixture (the rest is the runaway's)."""
+        t = (1.0 - self.runaway) * np.exp(self._log_t(a))
+        return t / (t + self.runaway)
 
-        def capped_mean(k):
-            k = np.maximum(k, 1e-9)
-            return (np.exp(self.mu + self.sigma ** 2 / 2) * ndtr((np.log(k) - self.mu - self.sigma ** 2) / self.sigma)
-                    + k * self.survival(k))
+    def mean_left(self, a: np.ndarray) -> np.ndarray:
+        """E[min(L, cap) - a | L > a] for a past the longest finished length."""
+        from scipy.special import log_ndtr
 
-        return np.maximum(capped_mean(b) - capped_mean(a), 0.0)
+        a = np.minimum(np.asarray(a, dtype=np.float64), self.cap)
+        b = float(self.cap)
+        log_ta, log_tb = self._log_t(a), self._log_t(np.asarray(b))
+        d = lambda k: (np.log(np.maximum(k, 1e-9)) - self.mu - self.sigma ** 2) / self.sigma   # noqa: E731
+        # the log-normal alone: (M [P(Z > d_a) - P(Z > d_b)] + b P(L > b)) / P(L > a) - a, M = E[L], each term
+        # divided by P(L > a) in logs
+        m = np.exp(self.mu + self.sigma ** 2 / 2)
+        left = (m * (np.exp(log_ndtr(-d(a)) - log_ta) - np.exp(log_ndtr(-d(b)) - log_ta))
+                + b * np.exp(log_tb - log_ta) - a)
+        left = np.clip(np.nan_to_num(left, nan=b - a, posinf=b - a), 0.0, b - a)
+        w = self._weight(a)
+        return w * left + (1.0 - w) * (b - a)
 
-    def quantile_above(self, survival: np.ndarray) -> np.ndarray:
-        """The length t with P(L > t) = `survival`."""
+    def draw_above(self, a: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """A length given L > a, for each uniform u in (0, 1]: the t with P(L > t | L > a) = u, the cap where the
+        mixture's survival never falls that low before it (the runaway)."""
         from scipy.special import ndtri
 
-        return np.exp(self.mu - self.sigma * ndtri(np.clip(survival, 1e-300, 1.0)))
+        a = np.asarray(a, dtype=np.float64)
+        # P(L > t) under the mixture is (1 - r) T(t) + r; solve it for u times its value at a
+        q = u * np.exp(self._log_t(a)) - (1.0 - u) * self.runaway / (1.0 - self.runaway)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.exp(self.mu - self.sigma * ndtri(np.clip(q, 1e-300, 1.0)))
+        return np.where(q > 0, np.minimum(np.maximum(t, a), self.cap), self.cap)
 
 
 class Survival:
     """The estimate of the completion lengths, P(L > t), up to `cap`: Kaplan-Meier from finished lengths (observed)
     and running ones (censored at their tokens so far), a step function that is 1 before the first observed length;
-    past the longest finished length, a log-normal tail (LogNormalTail) where enough have finished to fit one, else
-    every such completion runs to the cap."""
+    past the longest finished length, a fitted tail (Tail) where enough have finished to fit one, else every such
+    completion runs to the cap."""
 
     def __init__(self, finished: Sequence[int], running: Sequence[int], cap: int) -> None:
         self.cap = cap
@@ -137,16 +165,12 @@ class Survival:
         self.ends = np.concatenate([self.times, [cap]]).astype(np.float64)
         self.values = np.concatenate([[1.0], survival])
         # a completion cut at the cap would have run longer: at least the cap, for the tail's fit
-        self.tail = (LogNormalTail.fit(events[events < cap], np.concatenate([censored, events[events >= cap]]))
-                     if self.times.size and self.values[-1] > 0 else None)
+        self.tail = (Tail.fit(events[events < cap], np.concatenate([censored, events[events >= cap]]), cap)
+                     if self.times.size and self.values[-1] > 0 and self.times[-1] < cap else None)
         areas = self.values * np.maximum(self.ends - self.starts, 0.0)
         if self.tail is not None:
-            areas[-1] = self.values[-1] * self._tail_area(self.starts[-1])
+            areas[-1] = self.values[-1] * self.tail.mean_left(np.asarray([self.starts[-1]]))[0]
         self._areas = np.concatenate([np.cumsum(areas[::-1])[::-1], [0.0]])   # _areas[k]: sum of S over segments k...
-
-    def _tail_area(self, a: np.ndarray | float) -> np.ndarray:
-        """The integral over [a, cap] of P(L > t | L > a) in the last segment (a past the longest finished length)."""
-        return self.tail.area(a, self.cap) / np.maximum(self.tail.survival(a), 1e-300)
 
     def mean(self) -> float:
         """E[L] (the sum of S(t) for t = 0..cap-1)."""
@@ -160,7 +184,7 @@ class Survival:
         within = self._areas[k + 1] + s_g * np.maximum(self.ends[k] - so_far, 0.0)
         if self.tail is not None:
             last = k == self.values.size - 1
-            within = np.where(last, s_g * self._tail_area(np.maximum(so_far, self.starts[-1])), within)
+            within = np.where(last, s_g * self.tail.mean_left(np.maximum(so_far, self.starts[-1])), within)
         return within / np.maximum(s_g, 1e-12)
 
     def draw(self, so_far: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -173,15 +197,17 @@ class Survival:
         # the values after each observed length, falling: the first j with survival[j] <= target
         falling = self.values[1:]
         j = np.searchsorted(-falling, -target, side="left")
+        if self.times.size == 0:                # nothing finished: every completion to the cap
+            return np.maximum(np.full(so_far.size, float(self.cap)), so_far + 1)
         lengths = np.where(j < self.times.size, self.times[np.minimum(j, self.times.size - 1)], self.cap)
         if self.tail is not None:
             past = j >= self.times.size
-            base = np.maximum(so_far, self.starts[-1])
-            # in the last segment S(t) = values[-1] x P_tail(L > t) / P_tail(L > start): solve S(t) = target
-            fraction = np.where(past, target / np.maximum(np.minimum(s_g, self.values[-1]), 1e-300), 1.0)
-            fraction = np.where(so_far > self.starts[-1], u, np.minimum(fraction, 1.0))
-            drawn = self.tail.quantile_above(fraction * self.tail.survival(base))
-            lengths = np.where(past, np.minimum(np.ceil(drawn), self.cap), lengths)
+            beyond = so_far >= self.starts[-1]
+            # past the longest finished length S(t) = values[-1] x P_tail(L > t | L > that length): a draw there
+            # is the tail's, given L > that length (with u rescaled to it) or, for one already beyond, L > so far
+            fraction = np.where(beyond, u, target / np.maximum(self.values[-1], 1e-300))
+            drawn = self.tail.draw_above(np.maximum(so_far, self.starts[-1]), np.clip(fraction, 1e-12, 1.0))
+            lengths = np.where(past, np.ceil(drawn), lengths)
         return np.maximum(lengths, so_far + 1).astype(np.float64)
 
 
@@ -211,8 +237,10 @@ def fit_step_model(intervals: Sequence[tuple[float, float, float]], base_fractio
                    prior_weight_s: float = PRIOR_WEIGHT_S) -> StepModel | None:
     """The step-time line from measured intervals (seconds, mean running sequences, tokens generated): each gives a
     step time, seconds x c / tokens, at its concurrency c; a least-squares line through them, weighted by seconds,
-    with a prior point of weight `prior_weight_s` where the line through the measured mean has `base_fraction` of
-    its step time at c = 1 fixed. None without a measured interval."""
+    and through one more point of weight `prior_weight_s`, the prior: at c = 1, the step time of the line through
+    the measured mean (c_ref, step_ref) whose share of step_ref that does not grow with c is `base_fraction`. With
+    every measurement at one concurrency the fit is that line; measurements at others move it. None without a
+    measured interval."""
     rows = np.asarray([(s, c, k) for s, c, k in intervals if s > 0 and c > 0 and k > 0], dtype=np.float64)
     if rows.size == 0:
         return None
@@ -229,7 +257,7 @@ def fit_step_model(intervals: Sequence[tuple[float, float, float]], base_fractio
     slope = np.average((x - xm) * (y - ym), weights=w) / var if var > 0 else 0.0
     slope = max(slope, 0.0)                       # a step cannot get cheaper with more sequences
     base = ym - slope * xm
-    if base < 0:                                  # noise at low concurrency: through the origin's nearest valid line
+    if base < 0:                                  # noise at low concurrency: a step time proportional to c instead
         base, slope = 0.0, float(np.average(y / x, weights=w))
     return StepModel(base_s=float(base), per_seq_s=float(slope))
 
@@ -342,12 +370,12 @@ class TimeLeft:
         so_far = np.minimum(np.asarray(running, dtype=np.float64), self.cap)
         rng = np.random.default_rng(self._rng_seed)
         ends = []
-        for _ in range(DRAWS):
+        for _ in range(max(2, min(DRAWS, DRAW_BUDGET // max(not_started, 1)))):
             running_left = survival.draw(so_far, rng) - so_far
             queued = survival.draw(np.zeros(not_started), rng)
             ends.append(drain_seconds(running_left, queued, max(self._slots, len(running)), model))
         return float(np.mean(ends))
 
 
-__all__ = ["BASE_FRACTION", "DRAWS", "MIN_SPAN_S", "PRIOR_WEIGHT_S", "TAIL_MIN_FINISHED", "Estimate", "LogNormalTail",
-           "StepModel", "Survival", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left"]
+__all__ = ["BASE_FRACTION", "DRAW_BUDGET", "DRAWS", "MIN_SPAN_S", "PRIOR_WEIGHT_S", "TAIL_MIN_FINISHED", "Estimate", "StepModel",
+           "Survival", "Tail", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left"]
