@@ -44,3 +44,28 @@ def test_modules_vllm_cannot_scan_are_hidden_while_it_starts_and_put_back():
     finally:
         sys.modules.pop(bad.__name__, None)
         sys.modules.pop(good.__name__, None)
+
+
+@pytest.mark.parametrize("engine_args, expected", [({}, False), ({"trust_remote_code": True}, True)])
+def test_the_tokenizer_is_always_told_whether_to_run_a_checkpoints_code(monkeypatch, engine_args, expected):
+    """Left unset, transformers asks on stdin, under a 15 s SIGALRM, for a checkpoint with its own code; a worker has
+    no stdin, so the shard failed with a ValueError instead of the engine_args' answer."""
+    import transformers
+
+    from evaldag import engines
+    from evaldag.request.checkpoint import ResolvedModel
+    from evaldag.request.config import SamplingConfig
+
+    asked = []
+
+    def from_pretrained(path, **kwargs):
+        asked.append(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    engines._tokenizer.cache_clear()
+    model = ResolvedModel(name="m", path="/nowhere", fingerprint="f", dtype="bfloat16", engine="vllm", batch_size=8,
+                          engine_args=engine_args)
+    with pytest.raises(RuntimeError, match="stop here"):
+        engines.workload(model, ["1 + 1?"], SamplingConfig())
+    assert asked == [{"trust_remote_code": expected}]

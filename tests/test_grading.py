@@ -169,6 +169,24 @@ def test_inline_timeout_in_main_thread() -> None:
     assert [g.status for g in grades] == ["timeout", "correct"]
 
 
+def test_inline_timeout_in_a_fresh_process_leaves_math_verify_whole() -> None:
+    """The first inline item of a process: math-verify is imported before the timer is armed. An alarm inside the
+    import used to leave it half imported, and the next item failed as if its gold could not be parsed."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal\n"
+        "from evaldag.scoring.grading import grade_many\n"
+        "signal.setitimer(signal.ITIMER_REAL, 600)\n"                     # a caller's own timer runs on after
+        "slow = (r'$\\boxed{(x+1)^{300} - (x-1)^{300}}$', '5', 'stop')\n"
+        "grades = grade_many([slow, (r'$\\boxed{5}$', '5', 'stop')], timeout_s=0.05, workers=0)\n"
+        "left = signal.getitimer(signal.ITIMER_REAL)[0]\n"
+        "print([g.status for g in grades], 500 < left <= 600)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "['timeout', 'correct'] True", out.stdout + out.stderr
+
+
 def test_order_is_preserved() -> None:
     items = [(rf"The answer is $\boxed{{{i}}}$.", str(i if i % 3 else i + 1), "stop") for i in range(40)]
     grades = grade_many(items, workers=2)

@@ -106,10 +106,11 @@ def load_engine(name: str, model_path: str, dtype: str, batch_size: int,
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer(model_path: str):
+def _tokenizer(model_path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_path)
+    # always a yes or no: left unset, transformers asks on stdin (under a SIGALRM) for a checkpoint with its own code
+    return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
 def workload(model, prompts: list[str], sampling, sequences: int | None = None) -> Workload | None:
@@ -118,7 +119,7 @@ def workload(model, prompts: list[str], sampling, sequences: int | None = None) 
     not; None for an engine that does not size itself, or no prompts."""
     if model.engine not in _SIZED or not prompts:
         return None
-    tok = _tokenizer(model.path)
+    tok = _tokenizer(model.path, bool(model.engine_args.get("trust_remote_code", False)))
     # the chat template holds the special tokens already (as the engines tokenize)
     ids = tok([chat_text(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]
     return Workload(context_tokens=max(len(i) for i in ids) + sampling.max_new_tokens,

@@ -66,9 +66,12 @@ class HFEngine(EngineBase):
         self.batch_size = batch_size
         self.cache_implementation = cache_implementation
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # the transformers engine runs no checkpoint's own code: say so, or transformers asks on stdin (under a
+        # SIGALRM) for a checkpoint that has some (the vllm engine takes engine_args.trust_remote_code)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
         self.tokenizer.padding_side = "left"
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype),
+                                                          trust_remote_code=False)
         self.model.to(self.device).eval()
         gen_cfg = self.model.generation_config
         eos = gen_cfg.eos_token_id if gen_cfg.eos_token_id is not None else self.tokenizer.eos_token_id

@@ -81,7 +81,9 @@ class VLLMEngine(EngineBase):
 
         self.batch_size = batch_size
         self._requests = 0
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        # always a yes or no: left unset, transformers asks on stdin (under a SIGALRM) for a checkpoint with its own code
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path,
+                                                       trust_remote_code=bool(args.get("trust_remote_code", False)))
         # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
         before = {p.pid for p in descendants()}
         # the CPU build lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes: an explicit engine_arg wins

@@ -15,6 +15,7 @@ pool's worker processes, which import this module to find `_grade_item`.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import multiprocessing
@@ -136,8 +137,11 @@ def _grade_item(completion: str, gold: str, finish_reason: str) -> Grade:
     return grade_one(completion, gold, finish_reason)
 
 
+@functools.cache
 def _warm_worker() -> None:
-    """Pool initializer: import math-verify and build its parsers before the first item's timeout starts."""
+    """Import math-verify and build its parsers before the first item's timeout starts (a pool's initializer, and
+    once per process before the inline timer: an alarm inside the import leaves math_verify half imported, and every
+    later item then fails as if its gold could not be parsed)."""
     try:
         grade_one("\\boxed{1}", "1")
     except Exception:  # pragma: no cover - a broken install shows up again, with its traceback, on the first item
@@ -191,10 +195,11 @@ def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: flo
     # No cyclic garbage collection while the timer runs: an alarm that lands inside a destructor the collector
     # calls (e.g. a leftover multiprocessing connection's __del__) is printed and swallowed, and the item then
     # runs past its timeout unnoticed.
+    _warm_worker()
     gc_was_enabled = gc.isenabled()
     gc.disable()
     old_handler = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         return grade_one(completion, gold, finish_reason)
     except _InlineTimeout:
@@ -202,6 +207,8 @@ def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: flo
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
+        if old_timer[0] > 0:        # a caller's own timer (what was left of it) runs on
+            signal.setitimer(signal.ITIMER_REAL, *old_timer)
         if gc_was_enabled:
             gc.enable()
 
