@@ -168,6 +168,32 @@ def test_up_starts_servers_pools_and_workers(stack):
     assert (stack.home / "prefect" / "prefect.db").exists()
     assert (stack.home / "mlflow" / "mlflow.db").exists()
     assert (stack.home / "stack" / "state.json").exists()
+    # Prefect's database (flow runs' parameters and logs, the key of the cluster's encrypted credentials), MLflow's
+    # stores, the logs and the state: this user's alone
+    for folder in ("prefect", "mlflow", "logs", "stack"):
+        assert (stack.home / folder).stat().st_mode & 0o077 == 0, folder
+    assert (stack.home / "stack" / "state.json").stat().st_mode & 0o077 == 0
+
+
+def test_the_stacks_folders_and_state_are_made_private(tmp_path):
+    """Folders an older version left world-readable are made this user's alone, and the state file is written
+    0600 from its first byte, whatever the umask and a leftover temporary file's mode."""
+    home = tmp_path / "home"
+    for folder in ("prefect", "logs"):
+        (home / folder).mkdir(parents=True, mode=0o755)
+        (home / folder).chmod(0o755)
+    st = Stack(StackSettings(home=home))
+    st._make_private()
+    for folder in ("prefect", "mlflow", "logs", "stack"):
+        assert (home / folder).stat().st_mode & 0o777 == 0o700, folder
+    st.state_path.with_suffix(".tmp").write_text("{}")
+    st.state_path.with_suffix(".tmp").chmod(0o644)
+    old = os.umask(0o022)
+    try:
+        st._save_state(st._new_state())
+    finally:
+        os.umask(old)
+    assert st.state_path.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.stack

@@ -73,6 +73,7 @@ class Stack(Components, ProcessSupervisor, PrefectSetup, StateFile):
         report = UpReport()
         node = self.settings.server is not None
         self.settings.check_exposure()  # before anything starts: no open head on a network
+        self._make_private()
         with self._lock():
             state = self._load_state() or self._new_state()
             self._check_role(state)

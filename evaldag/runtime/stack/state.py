@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import time
 import uuid
 from pathlib import Path
@@ -40,14 +41,28 @@ class StateFile:
                              "stop the stack with the evaldag version that started it")
         return state
 
+    def _make_private(self) -> None:
+        """The stack's own folders (<home>/stack, logs, prefect, mlflow) readable by this user alone, created so or
+        made so: they hold Prefect's database, with every flow run's parameters and logs and the key its blocks
+        (the cluster's credentials) are encrypted with, MLflow's stores and the components' logs; a default umask
+        left them world-readable. PostgreSQL's cluster keeps its own folder (evaldag.runtime.postgres)."""
+        for folder in (self.state_dir, self.logs_dir, self.home / "prefect", self.home / "mlflow"):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if folder.stat().st_uid == os.getuid():
+                folder.chmod(0o700)
+
     def _save_state(self, state: dict) -> None:
         s = self.settings
         state["urls"] = self._urls()
         state["settings"] = s.model_dump(mode="json", exclude={"worker_env", "api_auth"})  # credentials
         self.state_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
-        tmp.chmod(0o600)  # the recorded environments may hold credentials (database, result store)
+        # created 0600, not chmod-ed after the write: the recorded environments may hold credentials (database,
+        # result store)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=2))
+        tmp.chmod(0o600)       # a leftover .tmp from an older version kept its mode through O_TRUNC
         tmp.replace(self.state_path)
 
     def _remove_state(self) -> None:
