@@ -9,10 +9,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeEventsServer:
-    """Records POST bodies; answers statuses from `script` (then `default`), optionally after a delay."""
+    """Records POST bodies; answers statuses from `script` (then `default`), optionally after a delay.
+
+    `requests` records every request, of any method, as (method, path, Authorization header or None); a 3xx answer
+    carries `location` as its Location header; a GET is answered 200, as a login page would be.
+    """
 
     def __init__(self) -> None:
         self.received: list[tuple[str, list]] = []
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.location: str | None = None
         self.script: list[int] = []
         self.default = 204
         self.delay_s = 0.0
@@ -37,14 +43,23 @@ class FakeEventsServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802 - http.server naming
+                owner.requests.append(("POST", self.path, self.headers.get("Authorization")))
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if owner.delay_s:
                     owner.release.wait(owner.delay_s)
                 owner.received.append((self.path, body))
-                status = owner.script.pop(0) if owner.script else owner.default
+                self._answer(owner.script.pop(0) if owner.script else owner.default)
+
+            def do_GET(self):  # noqa: N802 - http.server naming
+                owner.requests.append(("GET", self.path, self.headers.get("Authorization")))
+                self._answer(200)
+
+            def _answer(self, status: int) -> None:
                 payload = b"" if status == 204 else json.dumps({"detail": f"status {status}"}).encode()
                 try:
                     self.send_response(status)
+                    if 300 <= status < 400 and owner.location:
+                        self.send_header("Location", owner.location)
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
                     self.wfile.write(payload)

@@ -61,6 +61,47 @@ def _node(tmp_path, monkeypatch, **kw) -> Stack:
     return Stack(settings)
 
 
+@pytest.mark.parametrize("status, says", [
+    (404, ["HTTP 404", "no `gpu` work pool", "run `evaldag up` on the head"]),
+    (403, ["HTTP 403", "a proxy or firewall", "NO_PROXY"]),
+    (503, ["HTTP 503", "the head's Prefect server failed", "prefect-server.log"]),
+    (500, ["HTTP 500", "the head's Prefect server failed"]),
+    (401, ["HTTP 401", "refused this node's auth", "--auth"]),
+    (302, ["HTTP 302", "check that --server is the head's Prefect address"]),
+])
+def test_a_node_says_what_the_head_answered_for_its_gpu_pool(tmp_path, monkeypatch, status, says):
+    """Only a 404 means the head has no `gpu` pool: a proxy's 403 or the server's own 5xx is named as such, with
+    its fix, instead of sending the user to run `evaldag up` on a head that has the pool."""
+    import httpx
+
+    stack = _node(tmp_path, monkeypatch)
+    seen = []
+
+    def head(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(status, text="upstream says no")
+
+    real_client = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(head), **kw))
+    with pytest.raises(StackError) as err:
+        stack._check_head_pools()
+    assert seen == ["/api/work_pools/gpu"]
+    message = str(err.value)
+    assert all(s in message for s in says), message
+    assert "upstream says no" in message
+    assert (status == 404) == ("no `gpu` work pool" in message)
+
+
+def test_a_node_accepts_the_heads_gpu_pool(tmp_path, monkeypatch):
+    import httpx
+
+    stack = _node(tmp_path, monkeypatch)
+    real_client = httpx.Client
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(
+        transport=httpx.MockTransport(lambda request: httpx.Response(200, json={"name": "gpu"})), **kw))
+    stack._check_head_pools()
+
+
 def test_node_workers_come_from_the_head_and_the_command_line(tmp_path, monkeypatch):
     stack = _node(tmp_path, monkeypatch, worker_env={"AWS_SECRET_ACCESS_KEY": "from-cli"})
     specs = stack._desired_specs("sid")

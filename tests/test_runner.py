@@ -34,9 +34,17 @@ def test_a_run_this_flow_logged_needs_no_explanation():
 
 
 def test_a_reused_evaluation_says_nothing_was_recomputed():
-    for computed in ({"accuracy": 0.25, "cache_hit_rate": 1.0}, None):   # None: the flow's result not readable
-        assert provenance("fr-2", "fr-1", computed, LOGGED) == [
-            "this evaluation was computed and logged before: nothing was recomputed"]
+    assert provenance("fr-2", "fr-1", {"accuracy": 0.25, "cache_hit_rate": 1.0}, LOGGED) == [
+        "this evaluation was computed and logged before: nothing was recomputed"]
+
+
+def test_an_unreadable_summary_says_recomputation_is_unknown_not_that_nothing_was():
+    """None: the flow run's result store is out of reach from this machine, so what it reused is not known here."""
+    [line] = provenance("fr-2", "fr-1", None, LOGGED)
+    assert "whether anything was recomputed is unknown here" in line and "not readable from this machine" in line
+    assert "nothing was recomputed" not in line and "flow run fr-1" in line
+    [line] = provenance("fr-2", "fr-1", {"accuracy": 0.25}, LOGGED)          # a summary that does not say
+    assert "unknown here" in line and "no cache_hit_rate" in line
 
 
 def test_a_recomputation_says_whose_figures_are_whose_and_warns_on_other_results():

@@ -450,3 +450,28 @@ def test_a_refused_sender_keeps_its_events_until_the_server_takes_them(server, t
     monkeypatch.setenv("PREFECT_API_KEY", "rotated")
     third = n.notify(tmp_path, 9)
     assert server.ids[-3:] == [first, second, third] and n.pending() == []
+
+
+@pytest.mark.parametrize("code", [301, 302, 307])
+def test_a_redirect_is_not_followed_and_the_event_stays_spooled(server, tmp_path, caplog, monkeypatch, code):
+    """urllib would follow a redirect with the Authorization header to the host Location names, as a GET without
+    the event, and count that host's 200 as a delivery. The notifier follows none: the other host sees nothing,
+    the event stays spooled (one try: the same URL redirects again) and the warning names the URL to use."""
+    monkeypatch.delenv("PREFECT_API_KEY", raising=False)
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "evaldag:Sup3rS3cret")
+    target = FakeEventsServer().start()
+    try:
+        server.script, server.location = [code], f"{target.url}/events"
+        n = _notifier(server.url, tmp_path)
+        with caplog.at_level(logging.WARNING, logger="evaldag.client.notifier"):
+            event_id = n.notify(tmp_path, 7)
+        assert target.requests == []                           # no request, so no credentials, reached the target
+        assert [(m, auth is not None) for m, _, auth in server.requests] == [("POST", True)]
+        assert [p.name.endswith(f"{event_id}.json") for p in n.pending()] == [True]
+        assert not list((tmp_path / "spool" / "rejected").glob("*.json"))
+        assert f"HTTP {code}" in caplog.text and f"redirecting to '{target.url}/events'" in caplog.text
+        assert f"final URL: set api_url / PREFECT_API_URL to '{target.url}'" in caplog.text
+        assert "delivered" not in caplog.text
+        assert flush_spool(tmp_path / "spool", target.url) == 1 and target.ids == [event_id]   # not lost
+    finally:
+        target.stop()

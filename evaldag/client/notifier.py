@@ -29,6 +29,7 @@ import re
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from datetime import datetime, timezone
@@ -43,8 +44,9 @@ log = logging.getLogger("evaldag.client.notifier")
 EVENT_NAME = "evaldag.checkpoint.saved"
 RESOURCE_PREFIX = "evaldag.train-run."
 _RETRYABLE_4XX = (408, 429)                            # request timeout, rate limited: the payload is fine
-# Refusals of the sender, not of the event: a missing or expired key, no permission, a wrong api_url. The events
-# stay spooled, in order, until whoever runs the trainer fixes it; nothing is moved to rejected/.
+# Refusals of the sender, not of the event: a missing or expired key, no permission, a wrong api_url (so is any
+# redirect, 3xx, which is never followed: see _NoRedirect). The events stay spooled, in order, until whoever runs
+# the trainer fixes it; nothing is moved to rejected/.
 _HELD_4XX = (401, 403, 404)
 _MIN_ATTEMPT_S = 0.05                                  # no HTTP attempt is started with less time than this left
 _BACKOFF_CAP_S = 2.0
@@ -189,15 +191,41 @@ def _check_api_url(api_url: str | None) -> str | None:
     return api_url
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect, so that a 3xx reaches _post as an HTTPError.
+
+    urllib would follow it with the Authorization header (the Prefect key) to whatever host Location names, turn
+    the POST into a GET without the event, and report the redirect target's 200 as a delivery.
+    """
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> None:
+        """Never build the follow-up request."""
+        return None
+
+
+def _open(req: urllib.request.Request, timeout: float) -> http.client.HTTPResponse:
+    """urlopen without redirects; built per call so that proxy variables set after import still count."""
+    return urllib.request.build_opener(_NoRedirect).open(req, timeout=timeout)
+
+
 def _post(api_url: str, body: bytes, timeout: float, headers: dict[str, str]) -> tuple[str, int | None, str]:
-    """One POST of a JSON body to {api_url}/events: (outcome, HTTP status or None, detail)."""
+    """One POST of a JSON body to {api_url}/events: (outcome, HTTP status or None, detail).
+
+    A redirect (3xx) is held, not followed, with its Location as the detail: see _NoRedirect and _refusal.
+    """
     req = urllib.request.Request(f"{api_url}/events", data=body, method="POST",
                                  headers={"Content-Type": "application/json", **headers})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _open(req, timeout) as resp:
             resp.read()
             return (_OK if 200 <= resp.status < 300 else _TRANSIENT), resp.status, ""
     except urllib.error.HTTPError as e:
+        if 300 <= e.code < 400:
+            # Sending again to the same URL gets the same answer: the URL needs fixing, like a 404's.
+            location = e.headers.get("Location")
+            e.close()
+            return _HELD, e.code, urllib.parse.urljoin(req.full_url, location) if location else ""
         try:
             detail = e.read(300).decode("utf-8", "replace")
         except Exception:
@@ -217,7 +245,7 @@ def _deliver(api_url: str, event: dict, deadline: float | None, timeout_s: float
     """POST `[event]`, retrying connection errors, timeouts and 5xx with exponential backoff and jitter.
 
     Never starts an attempt or a sleep that would end after `deadline` (a time.monotonic() value; None = no limit).
-    A 4xx other than 408/429 is not retried: the server will refuse the same payload again.
+    A 4xx other than 408/429, or a 3xx, is not retried: the server will answer the same payload the same way.
     """
     body = json.dumps([event]).encode()
     outcome: tuple[str, int | None, str] = (_NO_TIME, None, "time budget exhausted before the first attempt")
@@ -280,7 +308,19 @@ def _reject(spool_dir: Path, file: Path | None, event: dict, why: str) -> None:
                 "file back into %s to send it again.", event.get("id"), why, target, spool_dir)
 
 
+def _redirect_refusal(status: int, location: str) -> str:
+    """Why a redirected event was not sent, and the api_url to use instead when Location shows it."""
+    fix = (f"set api_url / PREFECT_API_URL to {location[:-len('/events')]!r}" if location.endswith("/events")
+           else "set api_url / PREFECT_API_URL to the final URL of the Prefect API (e.g. https://HOST/api)")
+    where = f"redirecting to {location[:300]!r}" if location else "a redirect without a Location"
+    return (f"the server answered HTTP {status}, {where}, which is not followed (the event would be lost and the "
+            f"Prefect credentials sent to that address); point the notifier at the final URL: {fix}")
+
+
 def _refusal(status: int | None, detail: str) -> str:
+    """The warning's words for a held or rejected answer: the status, the server's detail and the likely fix."""
+    if status is not None and 300 <= status < 400:
+        return _redirect_refusal(status, detail)
     hint = {404: " (is api_url right? it usually ends in /api)",
             401: " (is PREFECT_API_KEY or PREFECT_API_AUTH_STRING set and current?)",
             403: " (does the key allow writing events?)"}.get(status or 0, "")
@@ -355,8 +395,10 @@ class CheckpointNotifier:
 
     notify() first re-sends spooled events (oldest first), then POSTs the new one, all within `max_block_s`
     seconds. An event that cannot be delivered (server down, timeout, 5xx after `retries` retries) is spooled to
-    `spool_dir` and re-sent later with its original id; one the server refuses with a 4xx (a payload bug; 408 and
-    429 excepted) is moved to `spool_dir/rejected/` with a warning and never retried. Without an API URL (argument
+    `spool_dir` and re-sent later with its original id; so is one refused for the sender (401, 403, 404) or
+    redirected (3xx: never followed, so the credentials never go to another host), with a warning naming the fix.
+    One the server refuses with another 4xx (a payload bug; 408 and 429 excepted) is moved to
+    `spool_dir/rejected/` with a warning and never retried. Without an API URL (argument
     or $PREFECT_API_URL) every event is spooled, with one warning, for a later `flush_spool(spool_dir, api_url)`.
 
     Bounds: each HTTP attempt waits at most min(timeout_s, time left); name resolution (DNS) is not covered by

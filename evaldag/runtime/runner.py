@@ -98,15 +98,24 @@ def _flow_summary(fr, benchmark: str) -> dict | None:
 def provenance(flow_run_id: str, logged_by: str | None, computed: dict | None, logged: dict) -> list[str]:
     """What the printed figures are, when the MLflow run shown was logged by another flow run than `flow_run_id`:
     the evaluation was reused whole, or recomputed here (its stored outputs were gone) while MLflow keeps the
-    first computation; and any result that differs between the two. Nothing to say for a run this flow logged."""
+    first computation; and any result that differs between the two. Nothing to say for a run this flow logged.
+
+    `computed` is None when this flow run's summary cannot be read from here (_flow_summary): whether it recomputed
+    anything is then unknown, and said so, rather than guessed."""
     if logged_by == flow_run_id:
         return []
-    if computed is None or computed.get("cache_hit_rate", 1.0) >= 1.0:
+    if computed is None or "cache_hit_rate" not in computed:
+        why = ("the summary is not readable from this machine (its result store is out of reach)" if computed is None
+               else "the summary has no cache_hit_rate")
+        return [f"this evaluation was logged before by flow run {logged_by}; whether anything was recomputed is "
+                f"unknown here: {why}. The figures below are the MLflow run's; this flow run's own are in its "
+                "Prefect result (see the Prefect UI link below)"]
+    if computed["cache_hit_rate"] >= 1.0:
         return ["this evaluation was computed and logged before: nothing was recomputed"]
     from evaldag.tracking.names import mlflow_key
     from evaldag.tracking.write import differing_results
 
-    lines = [f"recomputed by this flow run ({computed.get('cache_hit_rate', 0.0):.0%} of its stages reused): the "
+    lines = [f"recomputed by this flow run ({computed['cache_hit_rate']:.0%} of its stages reused): the "
              f"figures below are this run's; the MLflow run keeps those logged first by flow run {logged_by}"]
     for key in differing_results(computed, logged):
         lines.append(f"warning: {key} differs from the logged run: {computed[key]:.6g} here, "

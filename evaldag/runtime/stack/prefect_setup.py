@@ -53,6 +53,29 @@ class _RetryBusy(httpx.BaseTransport):
         self.inner.close()
 
 
+def _head_pool_problem(server: str, status: int, body: str) -> str | None:
+    """What a node's GET of the head's `gpu` work pool answered, when it is not the pool (200): the status received,
+    what it means, and the fix. Only a 404 means there is no pool; a 403 or a 5xx says nothing about pools."""
+    got = f"the Prefect server at {server} answered HTTP {status} for the `gpu` work pool ({body.strip()[:200]!r})"
+    if status == 200:
+        return None
+    if status == 401:
+        return (f"{got}: it refused this node's auth; give the USER:PASSWORD the head was started with as "
+                "`evaldag worker --auth` or EVALDAG_API_AUTH")
+    if status == 404:
+        return (f"{got}: it has no `gpu` work pool; run `evaldag up` on the head first (or, if it has run, check "
+                "that --server is the head's Prefect address, http://HEAD:4200)")
+    if status == 403:
+        return (f"{got}: a proxy or firewall between this node and the head refused the request; let this node "
+                f"reach {server} directly (add the head to NO_PROXY, or fix the proxy's rules) and try again")
+    if status >= 500:
+        return (f"{got}: the head's Prefect server failed (or a proxy in front of it); look at its log "
+                "on the head ($EVALDAG_HOME/logs/prefect-server.log), fix the cause or restart it with `evaldag up` "
+                "there, then try again")
+    return (f"{got}, not the pool; check that --server is the head's Prefect address (http://HEAD:4200, nothing "
+            "that redirects or proxies it elsewhere)")
+
+
 class PrefectSetup:
     """The Prefect server side of the stack (a part of `evaldag.runtime.stack.Stack`)."""
 
@@ -200,13 +223,8 @@ class PrefectSetup:
                 r = client.get("/work_pools/gpu")
             except httpx.HTTPError as e:
                 raise StackError(f"cannot reach the head's Prefect API at {self.settings.prefect_api_url}: {e}")
-        if r.status_code == 401:
-            raise StackError(f"the Prefect server at {self.settings.server} refused this node's auth (HTTP 401): give "
-                             "the USER:PASSWORD the head was started with as `evaldag worker --auth` or "
-                             "EVALDAG_API_AUTH")
-        if r.status_code != 200:
-            raise StackError(f"the Prefect server at {self.settings.server} has no `gpu` work pool (HTTP "
-                             f"{r.status_code}); run `evaldag up` on the head first")
+        if problem := _head_pool_problem(self.settings.server, r.status_code, r.text):
+            raise StackError(problem)
 
     def _online_workers(self, state: dict, names: list[str], since: dict[str, float] | None = None) -> set[str]:
         """Names of workers the server sees ONLINE (with a heartbeat after `since[name]`, when given)."""
