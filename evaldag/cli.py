@@ -14,7 +14,7 @@ import click
 import typer
 from typer.core import TyperGroup
 
-from evaldag.errors import EvalDagError, warn_deprecated
+from evaldag.errors import EvalDagError, redact_url, warn_deprecated
 from evaldag.runtime.node_clock import MAX_CLOCK_SKEW_ENV, MAX_CLOCK_SKEW_S
 
 
@@ -120,7 +120,7 @@ def _print_up(console, stack, report) -> None:
         console.print(f"deployed {stack.deployments_file.relative_to(stack.deployments_file.parents[1])}")
     console.print(f"[green]stack is up[/] ({report.elapsed_s:.1f} s, state in {stack.home})")
     console.print(f"  Prefect UI: {stack.prefect_url}")
-    console.print(f"  MLflow UI:  {stack.mlflow_url}")
+    console.print(f"  MLflow UI:  {redact_url(stack.mlflow_url)}")
     st = stack.settings
     pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
     console.print(f"  gpu pool:   {st.num_gpu_workers} worker(s) x {st.tp} GPU(s) [{pins or 'none'}], concurrency "
@@ -212,7 +212,7 @@ def worker(
     console.print(f"[green]node {st.node_name} joined {st.server}[/] ({report.elapsed_s:.1f} s, state in "
                   f"{stack.home})")
     console.print(f"  gpu workers: {st.num_gpu_workers} x {st.tp} GPU(s) [{pins}]", markup=False)
-    console.print(f"  MLflow:      {stack.mlflow_url}", markup=False)
+    console.print(f"  MLflow:      {redact_url(stack.mlflow_url)}", markup=False)
 
 
 @app.command()
@@ -247,7 +247,8 @@ def status() -> None:
         table.add_column(col)
     yes, no = "[green]yes[/]", "[red]no[/]"
     for r in rows:
-        table.add_row(r.component, str(r.pid or "-"), yes if r.alive else no, yes if r.healthy else no, r.url or "")
+        table.add_row(r.component, str(r.pid or "-"), yes if r.alive else no, yes if r.healthy else no,
+                      redact_url(r.url or ""))
     console.print(table)
     if not all(r.healthy for r in rows):
         console.print("[yellow]some components are not healthy: `evaldag up` restarts dead ones; logs are in "

@@ -1,4 +1,15 @@
-"""Errors that carry a message a user can act on (what is wrong and how to fix it)."""
+"""Errors that carry a message a user can act on (what is wrong and how to fix it), and `redact_url`, which keeps
+credentials out of what messages, logs and UI links show."""
+
+import re
+from urllib.parse import unquote
+
+# scheme://USERINFO@host: userinfo cannot hold an unescaped / ? or #, so it ends at the last @ before them
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
+_QUERY_PARAM = re.compile(r"([?&])([^=&#?/]+)=([^&#]*)")
+# matches api_key, apikey, access_token, X-Amz-Signature, X-Amz-Credential, sig (Azure SAS), password, secret, ...;
+# masking a harmless parameter costs a reader little, showing a secret one costs a credential
+_SECRET_PARAM = re.compile(r"token|key|pass|secret|sig|credential|auth", re.I)
 
 
 class EvalDagError(Exception):
@@ -31,3 +42,12 @@ def warn_deprecated(old: str, new: str) -> None:
     import logging
 
     logging.getLogger("evaldag").warning("warning: %s is deprecated; use %s", old, new)
+
+
+def redact_url(url: str) -> str:
+    """`url` as it may be shown to people: the userinfo (`user:password@`) becomes `***@` and the value of each query
+    parameter whose name looks secret becomes `***`; the rest is kept byte for byte. The whole userinfo goes, not only
+    the password, because some services take the token as the user name (https://TOKEN@host). Only for showing a URL:
+    connect with the original."""
+    url = _USERINFO.sub(r"\1***@", url)
+    return _QUERY_PARAM.sub(lambda m: f"{m[1]}{m[2]}=***" if _SECRET_PARAM.search(unquote(m[2])) else m[0], url)

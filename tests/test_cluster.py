@@ -168,7 +168,7 @@ def test_head_listening_everywhere_uses_loopback_locally_and_publishes_its_addre
 
 
 def test_database_settings(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="did you mean postgresql\\+asyncpg://u:p@db/prefect"):
+    with pytest.raises(ValueError, match="did you mean postgresql\\+asyncpg://\\*\\*\\*@db/prefect"):
         StackSettings(database_url="postgresql://u:p@db/prefect")
     with pytest.raises(ValueError, match="give one of them"):
         StackSettings(postgres=True, database_url="postgresql+asyncpg://u:p@db/prefect")
@@ -181,6 +181,35 @@ def test_database_settings(tmp_path, monkeypatch):
     s = StackSettings.from_env(home=tmp_path)
     assert s.postgres and s.postgres_port == 6543
     assert not StackSettings.from_env(home=tmp_path, postgres=False).postgres     # `up --sqlite` wins
+
+
+@pytest.mark.parametrize("overrides", [
+    {"api_auth": "evaldag:SHORTPW"},                                          # a password too short
+    {"database_url": "postgres://prefect:SHORTPW@db:5432/prefect"},           # a URL Prefect cannot use
+    {"api_auth": "evaldag:SHORTPW", "heartbeat_s": "5"},                      # another field's error beside it
+], ids=["auth", "database-url", "other-field"])
+def test_settings_errors_do_not_show_passwords(tmp_path, monkeypatch, overrides):
+    """pydantic's own message quotes the input (input_value=...): the settings' errors leave values out."""
+    monkeypatch.delenv("EVALDAG_API_AUTH", raising=False)
+    with pytest.raises(StackError, match="invalid stack settings: ") as err:
+        StackSettings.from_env(home=tmp_path, **overrides)
+    assert "SHORTPW" not in str(err.value) and "input_value" not in str(err.value)
+    if "database_url" in overrides:
+        assert "did you mean postgresql+asyncpg://***@db:5432/prefect?" in str(err.value)
+
+
+def test_worker_cli_shows_the_mlflow_url_without_its_password(tmp_path, monkeypatch):
+    from evaldag.runtime.stack import UpReport
+
+    monkeypatch.setattr("evaldag.runtime.node_clock.check_clock", lambda *a, **kw: None)
+    _node(tmp_path, monkeypatch)                                  # the head's published block, without a server
+    monkeypatch.setattr(Stack, "up", lambda self, deploy=True: UpReport())
+    monkeypatch.setattr(Stack, "_load_state", lambda self: {"urls": self._urls()})    # as up() records them
+    result = CliRunner().invoke(app, ["worker", "--server", "http://10.0.0.1:4200", "--gpus", "1",
+                                      "--mlflow-url", "https://evaldag:MLPW-123456@mlflow.corp"],
+                                env={"EVALDAG_HOME": str(tmp_path), "EVALDAG_GPUS": "0"})
+    assert result.exit_code == 0, result.output
+    assert "MLflow:      https://***@mlflow.corp" in result.output and "MLPW-123456" not in result.output
 
 
 def test_worker_cli_rejects_a_bad_env_pair_and_an_unreachable_head(tmp_path):

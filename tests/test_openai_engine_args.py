@@ -16,8 +16,8 @@ from conftest import free_ports
 
 from evaldag.request.config import ModelConfig, SamplingConfig
 from evaldag.engines import load_engine
-from evaldag.engines.openai import (ServerError, ServerSettings, ServerUnavailableError, server_fingerprint,
-                                    validate_engine_args)
+from evaldag.engines.openai import (ServerClient, ServerError, ServerSettings, ServerUnavailableError,
+                                    server_fingerprint, validate_engine_args)
 from evaldag.errors import CheckpointError, ConfigError
 from evaldag.request.checkpoint import ResolvedModel, with_engine
 
@@ -44,6 +44,41 @@ def test_bad_engine_args_are_refused_with_the_allowed_keys(args, message):
     # the same check behind load_engine, before any connection is tried
     with pytest.raises(ConfigError):
         load_engine("openai", "m @ server", "bfloat16", 4, args)
+
+
+@pytest.mark.parametrize("base_url, message", [
+    ("https://svc:K3YS3CRET@llm.corp/v1", "base_url https://***@llm.corp/v1 carries credentials"),
+    ("https://K3YS3CRET@llm.corp/v1", "base_url https://***@llm.corp/v1 carries credentials"),
+    ("http://llm.corp/v1?api_key=K3YS3CRET", "base_url http://llm.corp/v1?api_key=*** carries credentials"),
+    ("ftp://svc:K3YS3CRET@llm.corp/v1", "base_url='ftp://***@llm.corp/v1' must be an http(s) URL"),
+], ids=["user-password", "token-as-user", "query-key", "not-http"])
+def test_credentials_in_base_url_are_refused_without_being_shown(base_url, message):
+    """base_url ends up in the model's label, MLflow params and tags and the plan artifact: no key may ride in it."""
+    with pytest.raises(ConfigError) as err:
+        validate_engine_args({**OK_ARGS, "base_url": base_url})
+    assert message in str(err.value) and "K3YS3CRET" not in str(err.value)
+    if "carries credentials" in message:
+        assert "api_key_env" in str(err.value)
+
+
+def test_a_key_in_place_of_api_key_env_is_refused_without_being_shown():
+    key = "sk-live-ABCDEF0123456789"
+    with pytest.raises(ConfigError, match="api_key_env must name an environment variable") as err:
+        validate_engine_args({**OK_ARGS, "api_key_env": key})
+    assert key not in str(err.value)
+    assert validate_engine_args({**OK_ARGS, "api_key_env": "VLLM_API_KEY"})["api_key_env"] == "VLLM_API_KEY"
+
+
+def test_server_errors_mask_credentials_of_settings_built_without_validation():
+    [port] = free_ports(1)              # nothing listens there: the error names the server
+    settings = ServerSettings(base_url=f"http://svc:K3YS3CRET@127.0.0.1:{port}/v1", model="m", max_retries=0)
+    client = ServerClient(settings)
+    try:
+        with pytest.raises(ServerUnavailableError) as err:
+            client.models()
+    finally:
+        client.close()
+    assert f"server http://***@127.0.0.1:{port}/v1 failed" in str(err.value) and "K3YS3CRET" not in str(err.value)
 
 
 def test_engine_args_defaults_and_normalised_url():

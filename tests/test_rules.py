@@ -48,3 +48,15 @@ def test_describe_errors_names_missing_fields_then_values():
         M.model_validate({"b": "x/y"})
     assert rules.describe_errors(e.value.errors()) == ("missing required field(s) 'a'; b: String should match pattern "
                                                        f"'{rules.TRAIN_RUN_PATTERN}' (got str 'x/y')")
+
+
+def test_describe_errors_can_leave_every_value_out():
+    """For models that hold passwords (the stack settings): field and message only."""
+    class M(BaseModel):
+        a: int
+        auth: str = Field(min_length=12)
+
+    with pytest.raises(ValidationError) as e:
+        M.model_validate({"auth": "PW-short"})
+    assert rules.describe_errors(e.value.errors(), show_input=False) == (
+        "missing required field(s) 'a'; auth: String should have at least 12 characters")

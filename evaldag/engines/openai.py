@@ -60,7 +60,7 @@ from evaldag.engines.base import Completion, EngineBase, batches_by_length
 from evaldag.engines.context import PromptFit
 from evaldag.engines.openai_args import ENGINE_ARGS, validate_engine_args  # noqa: F401 (re-exported)
 from evaldag.engines.vllm import sample_seed
-from evaldag.errors import ConfigError, EvalDagError
+from evaldag.errors import ConfigError, EvalDagError, redact_url
 
 _MAX_SEED = 2**63       # the API's seed is an int64
 
@@ -88,6 +88,12 @@ class ServerSettings:
     def from_engine_args(cls, args: dict) -> "ServerSettings":
         """Check `args` against ENGINE_ARGS; raise ConfigError naming a bad or missing key and the allowed keys."""
         return cls(**validate_engine_args(args))
+
+    @property
+    def shown_url(self) -> str:
+        """base_url as messages show it: validation refuses credentials in it, but settings built directly have not
+        been through validation."""
+        return redact_url(self.base_url)
 
     def api_key(self) -> str | None:
         """The key from the environment variable named by api_key_env (ConfigError when that variable is unset)."""
@@ -170,7 +176,7 @@ class ServerClient:
                 break
             time.sleep(_backoff_s(attempt, retry_after))
         raise ServerUnavailableError(
-            f"server {s.base_url} failed {s.max_retries + 1} attempt(s) of {method} {path} over "
+            f"server {s.shown_url} failed {s.max_retries + 1} attempt(s) of {method} {redact_url(path)} over "
             f"{time.monotonic() - t0:.0f} s (last: {last}); is it running and reachable from this machine? Start it "
             f"(e.g. `vllm serve <model> --port <port>`), or raise engine_args.max_retries / timeout_s for a slow or "
             f"busy server")
@@ -179,17 +185,17 @@ class ServerClient:
         """The server's /models entries (each has at least `id`)."""
         resp = self.send("GET", "/models")
         if resp.status_code == 404:
-            raise ServerError(f"{self.settings.base_url}/models answered 404: base_url must be the OpenAI API root, "
+            raise ServerError(f"{self.settings.shown_url}/models answered 404: base_url must be the OpenAI API root, "
                               f"which vLLM, SGLang and TGI serve under /v1 (e.g. "
-                              f"{self.settings.base_url.rstrip('/')}/v1)")
+                              f"{self.settings.shown_url.rstrip('/')}/v1)")
         self.raise_for_auth(resp)
         if resp.status_code != 200:
-            raise ServerError(f"{self.settings.base_url}/models answered HTTP {resp.status_code}: "
+            raise ServerError(f"{self.settings.shown_url}/models answered HTTP {resp.status_code}: "
                               f"{_server_message(resp)}")
         try:
             return list(resp.json()["data"])
         except (ValueError, KeyError, TypeError):
-            raise ServerError(f"{self.settings.base_url}/models did not answer an OpenAI model list "
+            raise ServerError(f"{self.settings.shown_url}/models did not answer an OpenAI model list "
                               f"({resp.text[:200]!r}); is base_url an OpenAI-compatible API root?") from None
 
     def model_entry(self) -> dict:
@@ -203,7 +209,7 @@ class ServerClient:
     def unknown_model(self, entries: list[dict] | None = None) -> ConfigError:
         entries = self.models() if entries is None else entries
         names = ", ".join(repr(e.get("id")) for e in entries) or "none"
-        return ConfigError(f"server {self.settings.base_url} does not serve a model named {self.settings.model!r}; "
+        return ConfigError(f"server {self.settings.shown_url} does not serve a model named {self.settings.model!r}; "
                            f"it serves: {names}. Set engine_args.model to one of them (vllm serve names a model by "
                            f"the path or hub id it was started with, unless --served-model-name says otherwise)")
 
@@ -211,7 +217,7 @@ class ServerClient:
         if resp.status_code in (401, 403):
             env = self.settings.api_key_env
             have = f"the key in ${env}" if env else "no key (engine_args.api_key_env is not set)"
-            raise ServerError(f"server {self.settings.base_url} refused the request (HTTP {resp.status_code}: "
+            raise ServerError(f"server {self.settings.shown_url} refused the request (HTTP {resp.status_code}: "
                               f"{_server_message(resp)}); evaldag sent {have}. Set api_key_env to the name of the "
                               "environment variable holding the server's key, and that variable where the shards run")
 
@@ -334,13 +340,13 @@ class OpenAIEngine(EngineBase):  # batches one after another: a batch's requests
             usage = body["usage"]
             prompt_tokens, completion_tokens = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
         except (ValueError, KeyError, IndexError, TypeError):
-            raise ServerError(f"server {self.settings.base_url} answered a chat completion without choices or usage "
+            raise ServerError(f"server {self.settings.shown_url} answered a chat completion without choices or usage "
                               f"token counts ({resp.text[:300]!r}); evaldag needs an OpenAI-compatible answer with "
                               "`usage`") from None
         finish = choice.get("finish_reason")
         if finish not in ("stop", "length"):
             # abort, tool_calls, content_filter: not a completion of the prompt; a failure of the server's engine
-            raise ServerError(f"server {self.settings.base_url} ended a completion with finish_reason {finish!r} "
+            raise ServerError(f"server {self.settings.shown_url} ended a completion with finish_reason {finish!r} "
                               "(expected 'stop' or 'length')")
         if (finish == "length" and completion_tokens < sampling.max_new_tokens and self.max_model_len
                 and prompt_tokens + completion_tokens >= self.max_model_len):
@@ -377,14 +383,14 @@ class OpenAIEngine(EngineBase):  # batches one after another: a batch's requests
             return self._context_error(
                 f"the prompt alone ({tokens}) is longer than the context, so no max_new_tokens fits; shorten the "
                 f"benchmark's prompts or ", sampling, msg)
-        return ServerError(f"server {self.settings.base_url} refused a chat completion with HTTP "
+        return ServerError(f"server {self.settings.shown_url} refused a chat completion with HTTP "
                            f"{resp.status_code}: {msg}")
 
     def _context_error(self, what: str, sampling: SamplingConfig, detail: str) -> ServerError:
         """Context too long: the server's context, what did not fit and how to fix it."""
         limit = f"{self.max_model_len} tokens" if self.max_model_len else "unknown length"
         return ServerError(
-            f"context too long on server {self.settings.base_url} (model {self.settings.model!r}, context {limit}, "
+            f"context too long on server {self.settings.shown_url} (model {self.settings.model!r}, context {limit}, "
             f"max_new_tokens {sampling.max_new_tokens}): {what}restart the server with a longer context "
             f"(vllm serve --max-model-len, if the model supports it). Server: {detail}")
 

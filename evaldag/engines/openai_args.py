@@ -3,9 +3,11 @@ config is validated when it is loaded (evaldag.request.config) without importing
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
-from evaldag.errors import ConfigError
+from evaldag.errors import ConfigError, redact_url
 
 # name -> (accepted types, what it does)
 ENGINE_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
@@ -19,6 +21,7 @@ ENGINE_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
                             "key itself never goes in a config (default: no key)"),
 }
 _REQUIRED = ("base_url", "model")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def validate_engine_args(args: dict) -> dict:
@@ -44,9 +47,10 @@ def validate_engine_args(args: dict) -> dict:
     except httpx.InvalidURL:
         url = httpx.URL("")
     if url.scheme not in ("http", "https") or not url.host:
-        raise ConfigError(f"openai engine_args: base_url={args['base_url']!r} must be an http(s) URL such as "
-                          "http://127.0.0.1:8000/v1")
+        raise ConfigError(f"openai engine_args: base_url={redact_url(args['base_url'])!r} must be an http(s) URL "
+                          "such as http://127.0.0.1:8000/v1")
     out["base_url"] = str(url).rstrip("/")
+    _check_no_credentials(out)
     if out.get("concurrency", 1) < 1:
         raise ConfigError(f"openai engine_args: concurrency must be >= 1, got {out['concurrency']}")
     if out.get("max_retries", 0) < 0:
@@ -54,3 +58,19 @@ def validate_engine_args(args: dict) -> dict:
     if out.get("timeout_s", 1) <= 0:
         raise ConfigError(f"openai engine_args: timeout_s must be > 0, got {out['timeout_s']}")
     return out
+
+
+def _check_no_credentials(args: dict) -> None:
+    """Refuse a key inside base_url or in place of api_key_env's variable name: base_url is shown in the model's
+    label, MLflow params and tags, the plan artifact and error messages, and api_key_env in error messages."""
+    shown = redact_url(args["base_url"])
+    if shown != args["base_url"]:
+        raise ConfigError(f"openai engine_args: base_url {shown} carries credentials (user:password@ or a secret "
+                          "query parameter), which would be shown wherever the model is named; give the URL without "
+                          "them, put the key in an environment variable and name that variable in api_key_env")
+    env = args.get("api_key_env")
+    if env is not None and not _ENV_NAME.fullmatch(env):
+        # not echoed: a value that is no variable name is most likely the key itself
+        raise ConfigError("openai engine_args: api_key_env must name an environment variable (letters, digits, _; "
+                          "not starting with a digit), not hold the key itself; put the key in an environment "
+                          "variable and name it here")

@@ -183,10 +183,11 @@ def _check_weights(folder: Path, error: type[Exception]) -> None:
         raise error(f"checkpoint {folder}: weight file {weights[0].name} is empty")
 
 
-def describe_errors(errors: Iterable[Mapping[str, Any]], top: str = "(top level)") -> str:
+def describe_errors(errors: Iterable[Mapping[str, Any]], top: str = "(top level)", show_input: bool = True) -> str:
     """pydantic's `ValidationError.errors()` as one line: missing fields first, then each other problem as
     `field: message (got <type> <value>)`; a problem of the whole object (no field) is named `top` and shows no
-    value, since the value is the whole input."""
+    value, since the value is the whole input. `show_input=False` leaves every value out, for models that hold
+    passwords."""
     errors = list(errors)
     missing = [_loc(e) for e in errors if e["type"] == "missing"]
     parts = [f"missing required field(s) {', '.join(repr(m) for m in missing)}"] if missing else []
@@ -194,8 +195,8 @@ def describe_errors(errors: Iterable[Mapping[str, Any]], top: str = "(top level)
         if e["type"] == "missing":
             continue
         loc = _loc(e)
-        if not loc:
-            parts.append(f"{top}: {e['msg']}")
+        if not loc or not show_input:
+            parts.append(f"{loc or top}: {e['msg']}")
             continue
         got = e.get("input")
         parts.append(f"{loc}: {e['msg']} (got {type(got).__name__} {got!r:.80})")

@@ -9,7 +9,7 @@ from evaldag.pipeline import progress
 
 from evaldag.runtime import liveness
 from evaldag.runtime.deployments import benchmark_deployments, eval_deployment
-from evaldag.errors import EvalDagError, StackError
+from evaldag.errors import EvalDagError, StackError, redact_url
 from evaldag.runtime.stack import Stack
 
 
@@ -185,7 +185,8 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
     runs = [r for tag in ("prefect.flow_run_id", "prefect.last_flow_run_id")
             for r in client.search_runs([exp.experiment_id], filter_string=f"tags.`{tag}` = '{flow_run_id}'")]
     if not runs:
-        console.print(f"completed in {wall_s:.0f} s, but no MLflow run names this flow run; see {stack.mlflow_url}")
+        console.print(f"completed in {wall_s:.0f} s, but no MLflow run names this flow run; see "
+                      f"{redact_url(stack.mlflow_url)}")
         return
     run = runs[0]
     computed = summary["metrics"] if summary else None
@@ -210,7 +211,7 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
         console.print(line)
     console.print(f"completed in {wall_s:.0f} s")
     console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
-    console.print(f"MLflow UI:  {stack.mlflow_url}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
+    console.print(f"MLflow UI:  {redact_url(stack.mlflow_url)}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
                   f"?{UI_TRAINING}")
     jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
     if jobs is not None:

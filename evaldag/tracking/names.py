@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from evaldag.errors import redact_url
+
 EXPERIMENT_PREFIX = "evaldag"
 # One run per training job, holding every benchmark's headline metrics at step = checkpoint step: its chart view
 # draws one curve per training job against step. (MLflow nests runs only inside one experiment, so the per-benchmark
@@ -53,15 +55,17 @@ def mlflow_key(name: str) -> str:
 
 
 def run_url(uri: str, exp_id: str, run_id: str) -> str | None:
-    """The MLflow UI's page of one run, or None when the tracking URI `uri` is not an http server."""
+    """The MLflow UI's page of one run, or None when the tracking URI `uri` is not an http server. Credentials in
+    `uri` are masked (evaldag.errors.redact_url): the link goes into Prefect artifacts, flow logs and CLI output."""
     if uri.startswith("http"):
-        return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{UI_TRAINING}"
+        return f"{redact_url(uri).rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?{UI_TRAINING}"
     return None
 
 
 def charts_url(uri: str, exp_id: str) -> str:
-    """The MLflow UI's chart view of an experiment: every logged metric against step, one series per run."""
-    return f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
+    """The MLflow UI's chart view of an experiment: every logged metric against step, one series per run (credentials
+    in `uri` masked, as in run_url)."""
+    return f"{redact_url(uri).rstrip('/')}/#/experiments/{exp_id}/runs?{UI_TRAINING}&compareRunsMode=CHART"
 
 
 __all__ = ["COMPARISON_TAG", "DIFFERS_TAG", "EXPERIMENT_KIND_TAG", "EXPERIMENT_PREFIX", "FINAL_STEP_TAG",

@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evaldag import paths
 
 from evaldag.runtime import cluster
-from evaldag.errors import EvalDagError, StackError, warn_deprecated
+from evaldag.errors import EvalDagError, StackError, redact_url, warn_deprecated
 from evaldag.request.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
+from evaldag.request.rules import describe_errors
 
 PREFECT_SERVER = "prefect-server"
 MLFLOW_SERVER = "mlflow-server"
@@ -129,6 +130,7 @@ class StackSettings(BaseModel):
         if url and not url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
             hint = ("postgresql+asyncpg://" + url.split("://", 1)[1]) if url.startswith(("postgres://",
                                                                                          "postgresql://")) else None
+            url, hint = redact_url(url), hint and redact_url(hint)     # the URL's password goes in no message
             raise ValueError(f"database_url {url!r} is not one the Prefect server can use: it needs "
                              "postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (or sqlite+aiosqlite:///PATH)"
                              + (f"; did you mean {hint}?" if hint else ""))
@@ -207,7 +209,10 @@ class StackSettings(BaseModel):
             return cls(**values)
         except EvalDagError as e:
             raise StackError(str(e)) from None
-        except ValueError as e:  # pydantic's ValidationError is a ValueError
+        except ValidationError as e:
+            # pydantic's own text quotes the input (the --auth password, a database URL's): describe_errors without it
+            raise StackError(f"invalid stack settings: {describe_errors(e.errors(), show_input=False)}") from None
+        except ValueError as e:
             raise StackError(f"invalid stack settings: {e}") from None
 
     @property
