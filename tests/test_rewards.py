@@ -84,3 +84,11 @@ def test_register_reward(monkeypatch):
 def test_one_row_table_leaves_std_out():
     m = reward_metrics(TABLE.head(1), [{"name": "correctness"}])
     assert "reward/std" not in m and m["reward/mean"] == 1.0
+
+
+def test_the_summary_shows_no_std_where_one_sample_has_none():
+    """A one-sample evaluation has no reward std (left out of the metrics, not 0); the summary said '± 0'."""
+    from evaldag.tracking.report import _reward
+
+    assert _reward({"reward/mean": 0.5, "reward/std": 0.25}) == "0.5 ± 0.25"
+    assert _reward({"reward/mean": 1.0}) == "1 (one sample: no std)"

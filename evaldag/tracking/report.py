@@ -16,6 +16,12 @@ def _fmt(m: dict, key: str, pct: bool = True) -> str:
     return value
 
 
+def _reward(m: dict) -> str:
+    """'mean ± std'; the mean alone where the std is undefined (one sample: evaldag.scoring.rewards leaves it out)."""
+    mean = f"{m.get('reward/mean', 0):.4g}"
+    return f"{mean} ± {m['reward/std']:.4g}" if "reward/std" in m else f"{mean} (one sample: no std)"
+
+
 def summary_markdown(plan: EvalPlan, metrics: dict, mlflow_url: str | None,
                      diagnostics: list[Diagnostic] | None = None) -> str:
     """A short markdown report: headline metrics with intervals, status breakdown, system figures, diagnostics."""
@@ -30,7 +36,7 @@ def summary_markdown(plan: EvalPlan, metrics: dict, mlflow_url: str | None,
         f"| avg@{n} | {_fmt(m, f'avg@{n}')} |",
         *(f"| pass@{k} | {_fmt(m, f'pass@{k}')} |" for k in plan.pass_k),
         *(f"| maj@{k} | {_fmt(m, f'maj@{k}')} |" for k in plan.pass_k if f"maj@{k}" in m),
-        f"| reward (mean ± std) | {m.get('reward/mean', 0):.4g} ± {m.get('reward/std', 0):.4g} |",
+        f"| reward (mean ± std) | {_reward(m)} |",
         *(f"| KL {e} (per token) | {m[f'kl/{e}/token_mean']:.4g} |" for e in ("k1", "k3")
           if f"kl/{e}/token_mean" in m),
         "",
