@@ -200,6 +200,7 @@ def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: flo
     gc.disable()
     old_handler = signal.signal(signal.SIGALRM, on_alarm)
     old_timer = signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    armed_at = time.monotonic()
     try:
         return grade_one(completion, gold, finish_reason)
     except _InlineTimeout:
@@ -207,8 +208,9 @@ def _grade_inline(completion: str, gold: str, finish_reason: str, timeout_s: flo
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
-        if old_timer[0] > 0:        # a caller's own timer (what was left of it) runs on
-            signal.setitimer(signal.ITIMER_REAL, *old_timer)
+        if old_timer[0] > 0:        # a caller's own timer runs on, less the time grading took (due: at once)
+            signal.setitimer(signal.ITIMER_REAL, max(old_timer[0] - (time.monotonic() - armed_at), 1e-6),
+                             old_timer[1])
         if gc_was_enabled:
             gc.enable()
 

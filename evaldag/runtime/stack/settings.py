@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from evaldag import paths
 
 from evaldag.runtime import cluster
-from evaldag.errors import EvalDagError, StackError, redact_url, warn_deprecated
+from evaldag.errors import EvalDagError, StackError, warn_deprecated
 from evaldag.request.gpus import GPU_LIMIT, assign_gpus, detect_gpu_ids, parse_gpu_ids
 from evaldag.request.rules import describe_errors
 
@@ -128,10 +128,13 @@ class StackSettings(BaseModel):
                              "database; give one of them")
         url = self.database_url
         if url and not url.startswith(("postgresql+asyncpg://", "sqlite+aiosqlite://")):
-            hint = ("postgresql+asyncpg://" + url.split("://", 1)[1]) if url.startswith(("postgres://",
-                                                                                         "postgresql://")) else None
-            url, hint = redact_url(url), hint and redact_url(hint)     # the URL's password goes in no message
-            raise ValueError(f"database_url {url!r} is not one the Prefect server can use: it needs "
+            # Neither the URL nor its password goes in the message: a password may hold / ? # (SQLAlchemy takes
+            # them) and the URL may lack a scheme, which no pattern that masks userinfo catches. Its scheme and,
+            # for a PostgreSQL URL, what follows its last @ (the host and database: a host has no @) say enough.
+            scheme = url.split("://", 1)[0] + "://" if "://" in url else "no scheme"
+            hint = ("postgresql+asyncpg://USER:PASSWORD@" + url.rsplit("@", 1)[-1].split("://", 1)[-1]
+                    if url.startswith(("postgres://", "postgresql://")) else None)
+            raise ValueError(f"database_url ({scheme}...) is not one the Prefect server can use: it needs "
                              "postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB (or sqlite+aiosqlite:///PATH)"
                              + (f"; did you mean {hint}?" if hint else ""))
         return self
