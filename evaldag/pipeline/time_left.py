@@ -53,7 +53,7 @@ PRIOR_WEIGHT_S = 60.0
 # forecast runs in the shard's event loop, and a long queue averages its own lengths out).
 DRAWS = 8
 DRAW_BUDGET = 40_000
-# Finished completions needed before lengths past the longest one are extrapolated (LogNormalTail).
+# Finished completions needed before lengths past the longest one are extrapolated (Tail).
 TAIL_MIN_FINISHED = 20
 
 
@@ -192,13 +192,12 @@ class Survival:
         observed length where S falls below u x S(so_far); past the longest, from the tail (or the cap)."""
         so_far = np.asarray(so_far, dtype=np.float64)
         s_g = self.values[np.searchsorted(self.times, so_far, side="right")]
+        if self.times.size == 0:                # nothing finished: every completion to the cap
+            return np.maximum(np.full(so_far.size, float(self.cap)), so_far + 1)
         u = rng.random(so_far.size)
         target = u * s_g
         # the values after each observed length, falling: the first j with survival[j] <= target
-        falling = self.values[1:]
-        j = np.searchsorted(-falling, -target, side="left")
-        if self.times.size == 0:                # nothing finished: every completion to the cap
-            return np.maximum(np.full(so_far.size, float(self.cap)), so_far + 1)
+        j = np.searchsorted(-self.values[1:], -target, side="left")
         lengths = np.where(j < self.times.size, self.times[np.minimum(j, self.times.size - 1)], self.cap)
         if self.tail is not None:
             past = j >= self.times.size
@@ -306,7 +305,6 @@ class TimeLeft:
         self._last: tuple[float, int, int] | None = None      # (time, tokens, running sequences) of the last report
         self._intervals: list[tuple[float, float, float]] = []
         self._slots = 0                                       # the most sequences seen running at once
-        self._rng_seed = 0
 
     def finish(self, lengths: Sequence[int]) -> None:
         """Completions that finished, with their lengths in tokens."""
@@ -368,7 +366,7 @@ class TimeLeft:
         (see the module's doc), the running sequences having `running` tokens each and `not_started` waiting."""
         survival = survival or Survival(self.finished, running, self.cap)
         so_far = np.minimum(np.asarray(running, dtype=np.float64), self.cap)
-        rng = np.random.default_rng(self._rng_seed)
+        rng = np.random.default_rng(0)                  # the same state gives the same forecast
         ends = []
         for _ in range(max(2, min(DRAWS, DRAW_BUDGET // max(not_started, 1)))):
             running_left = survival.draw(so_far, rng) - so_far
@@ -377,5 +375,5 @@ class TimeLeft:
         return float(np.mean(ends))
 
 
-__all__ = ["BASE_FRACTION", "DRAW_BUDGET", "DRAWS", "MIN_SPAN_S", "PRIOR_WEIGHT_S", "TAIL_MIN_FINISHED", "Estimate", "StepModel",
-           "Survival", "Tail", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left"]
+__all__ = ["BASE_FRACTION", "DRAW_BUDGET", "DRAWS", "MIN_SPAN_S", "PRIOR_WEIGHT_S", "TAIL_MIN_FINISHED", "Estimate",
+           "StepModel", "Survival", "Tail", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left"]

@@ -178,7 +178,7 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
     from mlflow import MlflowClient
     from rich.table import Table
 
-    from evaldag.tracking.names import JOBS_EXPERIMENT, UI_TRAINING, charts_url, experiment_name, mlflow_key
+    from evaldag.tracking.names import JOBS_EXPERIMENT, charts_url, experiment_name, mlflow_key, run_url
 
     client = MlflowClient()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
@@ -211,8 +211,7 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
         console.print(line)
     console.print(f"completed in {wall_s:.0f} s")
     console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
-    console.print(f"MLflow UI:  {redact_url(stack.mlflow_url)}/#/experiments/{exp.experiment_id}/runs/{run.info.run_id}"
-                  f"?{UI_TRAINING}")
+    console.print(f"MLflow UI:  {run_url(stack.mlflow_url, exp.experiment_id, run.info.run_id)}")
     jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
     if jobs is not None:
         console.print(f"training jobs side by side: {charts_url(stack.mlflow_url, jobs.experiment_id)}")
