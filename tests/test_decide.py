@@ -112,7 +112,8 @@ def test_a_stopped_shard_keeps_its_rows_and_a_full_evaluation_generates_only_the
                                sampling={"n": 2, "temperature": 0.7}, engine="vllm"), results)
     StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.generated = None, 0.0, []
     rows = pl.read_parquet(generate_shard(full, 0))
-    assert len(StreamingEngine.generated) == 8 - len(kept_ids)          # nothing computed twice
+    # nothing computed twice: the full evaluation deals each problem's 2 samples as 2 requests (sample_pieces)
+    assert len(StreamingEngine.generated) == 2 * (8 - len(kept_ids))
     assert rows.height == 16 and rows.select("sample_id", "sample_index").is_unique().all()
     cols = ["sample_id", "sample_index", "completion"]
     assert rows.filter(pl.col("sample_id").is_in(kept_ids)).select(cols).sort(cols).equals(kept.select(cols).sort(cols))

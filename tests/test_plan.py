@@ -108,6 +108,25 @@ def test_split_shards_hold_every_sample_once_and_a_share_of_every_problem():
     assert plan_split_shards(df, 4, 10) == (shards, runs)                      # deterministic
 
 
+def test_sample_pieces_cut_each_run_into_near_equal_rounds_that_cover_it_once():
+    """32 samples in 8 rounds of 4; a split shard's run of samples 4..7 in 4 rounds of 1; 10 samples in 5 rounds of
+    2 (never more rounds than asked, never a piece of 0); with one round, piece k is problem k whole."""
+    from evaldag.request.plan import sample_pieces
+
+    runs = [(0, 32), (4, 4), (0, 10), (7, 1)]
+    pieces = sample_pieces(runs, 8)
+    for i, (first, count) in enumerate(runs):
+        mine = [(lo, c, r) for j, lo, c, r in pieces if j == i]
+        assert [r for _, _, r in mine] == list(range(len(mine))) and len(mine) <= 8
+        assert [k for lo, c, _ in mine for k in range(lo, lo + c)] == list(range(first, first + count))
+    assert [c for j, _, c, _ in pieces if j == 0] == [4] * 8
+    assert [c for j, _, c, _ in pieces if j == 1] == [1] * 4
+    assert [c for j, _, c, _ in pieces if j == 2] == [2] * 5
+    assert sample_pieces(runs, 1) == [(i, first, count, 0) for i, (first, count) in enumerate(runs)]
+    with pytest.raises(ValueError, match="rounds"):
+        sample_pieces(runs, 0)
+
+
 def test_resolve_splits_samples_only_where_the_engine_seeds_each_sample(tmp_path):
     """vLLM with n > 1 on several slots: every problem's samples over the shards, so AIME24 x 32 fills 8 slots
     evenly; the transformers engine (one generator per prompt) and greedy n = 1 keep whole problems."""

@@ -554,6 +554,46 @@ def test_split_samples_are_the_whole_requests_samples_each_once(streaming, monke
     assert together.equals(whole.select(keys[:3]).sort(keys[:3]))
 
 
+def test_a_problems_samples_go_in_round_by_round_and_resume_to_the_whole_requests_rows(streaming, monkeypatch):
+    """vLLM, n = 16: each problem's samples go in as 8 requests of 2 (evaldag.request.plan.sample_pieces), every
+    problem's first request before any problem's second, each round along the decision order, so the finished ones
+    are a fair sample of every problem early on. A shard that fails midway resumes with only the requests no chunk
+    holds, and its rows equal those of one request per problem (seeds per sample)."""
+    from evaldag.decisions.decide import decision_order
+    from evaldag.request.plan import sample_pieces
+
+    ckpt, _, results = streaming
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+
+    def vllm_plan(folder):
+        return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm",
+                                   sampling={"n": 16, "temperature": 0.7}), results / folder)
+
+    plan = vllm_plan("dealt")
+    StreamingEngine.submitted, StreamingEngine.crash_after, StreamingEngine.delay = [], 20, 0.0
+    with pytest.raises(ConnectionError):
+        generate_shard(plan, 0)
+    pieces = sample_pieces(plan.shard_runs(0))
+    ids = plan.shard_inputs(0)["sample_id"].to_list()
+    submitted = [pieces[k] for k in StreamingEngine.submitted[0]]
+    assert len(submitted) == 64 and {count for _, _, count, _ in submitted} == {2}
+    assert [r for _, _, _, r in submitted] == sorted(r for _, _, _, r in submitted)       # round by round
+    assert [ids[i] for i, _, _, _ in submitted[:8]] == decision_order(ids, plan.sampling.seed)
+    assert sorted((i, first) for i, first, _, _ in submitted) == [(i, f) for i in range(8) for f in range(0, 16, 2)]
+    assert sum(_chunk_rows(plan)) == 2 * 20                 # the 20 requests that finished before the failure
+
+    StreamingEngine.crash_after, StreamingEngine.generated = None, []
+    resumed = pl.read_parquet(generate_shard(plan, 0))
+    assert len(StreamingEngine.generated) == 64 - 20        # only what no chunk held
+    assert resumed.height == 8 * 16 and resumed.select("sample_id", "sample_index").is_unique().all()
+    monkeypatch.setattr(stages, "SAMPLE_ROUNDS", 1)        # one request of 16 samples per problem
+    StreamingEngine.submitted = []
+    whole = pl.read_parquet(generate_shard(vllm_plan("whole"), 0))
+    assert len(StreamingEngine.submitted[0]) == 8
+    cols = ["sample_id", "sample_index", "completion"]
+    assert resumed.select(cols).equals(whole.select(cols))
+
+
 def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setup, monkeypatch):
     """The transformers engine draws a prompt's n samples from one generator: samples 2..3 alone would not be
     samples 2..3 of the whole request, so it refuses a split plan with an error that names the engine."""

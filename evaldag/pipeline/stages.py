@@ -26,7 +26,7 @@ from evaldag.scoring import metrics as metricsmod
 from evaldag.decisions import decide
 from evaldag.storage import store
 from evaldag.errors import ConfigError
-from evaldag.request.plan import EvalPlan, load_plan
+from evaldag.request.plan import EvalPlan, load_plan, sample_pieces, splits_samples, SAMPLE_ROUNDS
 from evaldag.request.second_round import second_round_path
 from evaldag.decisions.verdicts import PROBLEM_SCORE
 from evaldag.pipeline.progress import ShardProgress
@@ -215,12 +215,11 @@ class _ShardRun:
         """Each problem's place in the evaluation's decision order (evaldag.decisions.decide), the same on every shard."""
         return {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), self.plan.sampling.seed))}
 
-    def start_forecast(self, problems: list[int]) -> None:
-        """Forecast the end of these problems' completions (evaldag.pipeline.time_left), with the step-time prior of
-        the engine's device."""
+    def start_forecast(self, completions: int) -> None:
+        """Forecast the end of this many completions (evaldag.pipeline.time_left), with the step-time prior of the
+        engine's device."""
         device = "cpu" if getattr(self.engine, "on_cpu", False) else "cuda"
-        self.time_left = TimeLeft(sum(self.runs[i][1] for i in problems), self.plan.sampling.max_new_tokens,
-                                  base_fraction=BASE_FRACTION[device])
+        self.time_left = TimeLeft(completions, self.plan.sampling.max_new_tokens, base_fraction=BASE_FRACTION[device])
 
     def report(self, force: bool = False) -> None:
         """Publish the progress, at most every PROGRESS_S seconds unless forced."""
@@ -240,9 +239,10 @@ class _ShardRun:
         """Sequences not handed to the engine yet, where known (None: every unfinished one that is not running)."""
         return None
 
-    def rows(self, i: int, completions: list) -> list[dict]:
-        """One row per completion of problem `i`: its input row plus what the engine returned."""
-        first = self.runs[i][0]
+    def rows(self, i: int, completions: list, first: int | None = None) -> list[dict]:
+        """One row per completion of problem `i`, samples `first` (default: its run's first) on: its input row plus
+        what the engine returned."""
+        first = self.runs[i][0] if first is None else first
         return [{**self.records[i], "sample_index": first + k, "shard_index": self.shard, "completion": c.text,
                  "completion_ids": c.token_ids, "prompt_tokens": c.prompt_tokens,
                  "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
@@ -273,7 +273,7 @@ class _PerBatch(_ShardRun):
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
         self.resumed_tokens = sum(_tokens_of(self._chunk(b)) for b in range(len(self.batches)) if b not in todo_ids)
         self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
-        self.start_forecast([i for b, _ in self.todo for i in self.batches[b]])
+        self.start_forecast(sum(self.runs[i][1] for b, _ in self.todo for i in self.batches[b]))
 
     def _along_the_decision_order(self, batches: list[list[int]]) -> list[list[int]]:
         """The same number of prompts per batch, cut along the evaluation's decision order (evaldag.decisions.decide)
@@ -315,16 +315,28 @@ class _PerBatch(_ShardRun):
 class _PerRequest(_ShardRun):
     """An engine that reports per request (vLLM): every missing request at once, seeded by (evaluation seed,
     sample id) whatever batch or chunk it falls in; finished requests are written in chunks (chunk_policy), and
-    progress counts finished requests and the tokens of running ones. A resumed shard skips the problems already
-    in a chunk."""
+    progress counts finished requests and the tokens of running ones. A problem's samples go in as several requests
+    of a few samples each, dealt round by round over the shard's problems (evaldag.request.plan.sample_pieces),
+    where the engine seeds each sample alone and the evaluation does not stop early. A resumed shard skips the
+    requests already in a chunk."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         written, self.resumed_tokens = _written_samples(self.chunks)
-        self.todo = [i for i, r in enumerate(self.records) if r["sample_id"] not in written]
-        self.done = len(self.prompts) - len(self.todo)
+        # an evaluation that may stop early decides on whole problems, taken along its decision order
+        dealt = (self.plan.request.decide is None
+                 and splits_samples(self.plan.resolved_model.engine, self.plan.sampling.n))
+        # one request per piece, keyed by its place here: with one round, piece k is problem k
+        self.pieces = sample_pieces(self.runs, SAMPLE_ROUNDS if dealt else 1)
+        # a request's rows are written together: it is done when its first sample is
+        self.todo = [k for k, (i, first, _, _) in enumerate(self.pieces)
+                     if (self.records[i]["sample_id"], first) not in written]
+        self._left = [0] * len(self.prompts)        # each problem's requests not finished
+        for k in self.todo:
+            self._left[self.pieces[k][0]] += 1
+        self.done = sum(left == 0 for left in self._left)
         self.resumed = {"resumed_requests": self.done}
-        self.start_forecast(self.todo)
+        self.start_forecast(sum(self.pieces[k][2] for k in self.todo))
         self._next_chunk = 1 + max((int(p.stem.split("-")[1]) for p in self.chunks.glob("requests-*.parquet")),
                                    default=0)
         self._pending: list[dict] = []      # rows of finished requests not yet written
@@ -342,16 +354,17 @@ class _PerRequest(_ShardRun):
         seed = self.plan.sampling.seed
         # a run of samples first..first+count-1 is one request of n = count seeded `seed + first`: vLLM seeds its
         # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.request.plan.splits_samples)
-        requests = [Request(i, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + self.runs[i][0],
-                            n=self.runs[i][1]) for i in self.todo]
-        # Submitted in a seeded random order, not the plan's (longest prompt first: harder problems, longer answers,
-        # docs/performance.md): the forecast of the end
-        # (evaldag.pipeline.time_left) reads the requests finished so far as a fair sample of all, which holds only when the
-        # order says nothing of length. It is the evaluation's decision order, the same on every shard, so that a
-        # prefix of it completes first where the evaluation may stop early (evaldag.decisions.decide). Completions do not
-        # depend on it (seeds are per request).
+        requests = [Request(k, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + first, n=count)
+                    for k in self.todo for i, first, count, _ in [self.pieces[k]]]
+        # Submitted round by round (every problem's first piece, then every second...), each round in a seeded random
+        # order, not the plan's (longest prompt first: harder problems, longer answers, docs/performance.md): the
+        # forecast of the end (evaldag.pipeline.time_left) reads the requests finished so far as a fair sample of
+        # all, which holds only when the order says nothing of length. It is the evaluation's decision order, the
+        # same on every shard, so that a prefix of it completes first where the evaluation may stop early
+        # (evaldag.decisions.decide). Samples do not depend on it (seeds are per sample), beyond the floating-point
+        # effect of what runs beside them.
         rank = self.decision_rank()
-        requests.sort(key=lambda r: rank[self.records[r.key]["sample_id"]])
+        requests.sort(key=lambda r: (self.pieces[r.key][3], rank[self.records[self.pieces[r.key][0]]["sample_id"]]))
         window = decide.in_flight(self.plan)
         options = {} if window is None else {"max_in_flight": window}
         # the engine takes requests in this order, `window` at a time (all when None), the next as one finishes
@@ -399,17 +412,19 @@ class _PerRequest(_ShardRun):
             return None
         return self._unsubmitted[min(len(self._unsubmitted) - 1, self._window + self._finished_here)]
 
-    def _finished(self, i: int, completions: list) -> None:
+    def _finished(self, key: int, completions: list) -> None:
+        i, first, _, _ = self.pieces[key]
         self._finished_here += 1
         if not self._pending:
             self._pending_since = time.perf_counter()
-        self._pending.extend(self.rows(i, completions))
+        self._pending.extend(self.rows(i, completions, first))
         self._pending_requests += 1
         self.tokens += sum(c.completion_tokens for c in completions)
         self.time_left.finish([c.completion_tokens for c in completions])
         # the engine's running count still holds this request's tokens until its next report
         self.running_tokens = max(0, self.running_tokens - sum(c.completion_tokens for c in completions))
-        self.done += 1
+        self._left[i] -= 1
+        self.done += self._left[i] == 0
 
     def _flush(self) -> None:
         """Write the finished requests not yet written as one chunk."""
@@ -427,15 +442,15 @@ def _tokens_of(path: UPath) -> int:
     return int(read_table(path, GENERATION_SCHEMA, columns=["completion_tokens"])["completion_tokens"].sum())
 
 
-def _written_samples(chunks: UPath) -> tuple[set[str], int]:
-    """The sample ids whose rows are already in a chunk (a request's n rows are written together), and the tokens
-    of those rows."""
+def _written_samples(chunks: UPath) -> tuple[set[tuple[str, int]], int]:
+    """The (sample id, sample index) pairs whose rows are already in a chunk (a request's rows are written
+    together), and the tokens of those rows."""
     if not chunks.is_dir():
         return set(), 0
     ids, tokens = set(), 0
     for p in store.chunk_files(chunks):
-        t = read_table(p, GENERATION_SCHEMA, columns=["sample_id", "completion_tokens"])
-        ids.update(t["sample_id"].to_list())
+        t = read_table(p, GENERATION_SCHEMA, columns=["sample_id", "sample_index", "completion_tokens"])
+        ids.update(zip(t["sample_id"].to_list(), t["sample_index"].to_list()))
         tokens += int(t["completion_tokens"].sum())
     return ids, tokens
 

@@ -278,6 +278,29 @@ def splits_samples(engine: str, n: int) -> bool:
     return engine == "vllm" and n > 1
 
 
+# A shard hands its problems' samples to the engine in up to this many rounds (sample_pieces): every problem's
+# first piece, then every problem's second, and so on. The finished samples are then a fair sample of all the
+# shard's problems from the first minutes on, which is what its forecast of the end reads
+# (evaldag.pipeline.time_left); whole problems one after another leave the problems not started yet unseen until
+# late, the forecast's largest error at scale (docs/performance.md).
+SAMPLE_ROUNDS = 8
+
+
+def sample_pieces(runs: list[tuple[int, int]], rounds: int = SAMPLE_ROUNDS) -> list[tuple[int, int, int, int]]:
+    """Cut each problem's run of samples (first sample index, count; EvalPlan.shard_runs) into at most `rounds`
+    near-equal pieces of consecutive samples: (problem's position in `runs`, first sample index, count, round),
+    problem by problem. Hand them to the engine round by round. Only for an engine that seeds each sample alone
+    (splits_samples), where samples a..b generated as one request equal those samples of the whole request."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    pieces = []
+    for i, (first, count) in enumerate(runs):
+        size = max(1, -(-count // rounds))
+        pieces.extend((i, lo, min(size, first + count - lo), r)
+                      for r, lo in enumerate(range(first, first + count, size)))
+    return pieces
+
+
 def plan_split_shards(inputs: pl.DataFrame, num_shards: int,
                       n: int) -> tuple[list[list[str]], list[list[tuple[int, int]]]]:
     """Shards that share every problem: its n samples cut into min(n, num_shards) near-equal runs, run j of the i-th
