@@ -127,8 +127,8 @@ def _generate(running: list[tuple[str, EvalPlan]], names: list[str], dispatch: s
               for s in range(max((plan.num_shards for _, plan in running), default=0))]
     decisions: dict[str, Decision] = {}
     if dispatch == "deployment":
-        unit = "requests" if any(plan.progress_unit == "requests" for _, plan in running) else "problems"
-        with evaluation_progress(flow_run.id, names, sum(plan.n_requests for _, plan in running), unit=unit,
+        unit = "samples" if any(plan.progress_unit == "samples" for _, plan in running) else "problems"
+        with evaluation_progress(flow_run.id, names, sum(plan.progress_total for _, plan in running), unit=unit,
                                  round=round):
             futures = launch_shard.map(groups, range(len(groups)), unmapped(flow_run.id)) if groups else []
             decisions = decide_while_generating(list(futures), deciders)

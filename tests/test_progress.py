@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import polars as pl
 import pytest
 from rich.console import Console
 
@@ -119,28 +120,47 @@ def test_the_evaluations_progress_text_sums_the_shards_and_is_never_read_as_a_sh
     assert progress.parse(text) is None
 
 
-def test_a_plan_that_splits_samples_counts_requests_not_problems():
-    """Where a problem's samples are split over shards, a shard's count is of requests (runs of one problem's
-    samples), and every text says so: the shard's, the snapshot that sums them, `evaldag run`'s line."""
-    text = progress.describe("aime24", 1, ShardProgress(3, 30, 800, unit="requests"))
-    assert text == "aime24 shard 1: 3 of 30 requests, 800 tokens generated"
-    assert progress.parse(text) == progress.Reported("aime24", 1, ShardProgress(3, 30, 800, unit="requests"))
+def test_a_plan_with_several_samples_a_problem_counts_samples():
+    """With n > 1 samples a problem (split over shards or not), a shard's count is of samples, which finish one
+    request of a few at a time (evaldag.request.plan.sample_pieces), and every text says so: the shard's, the
+    snapshot that sums them, `evaldag run`'s line. Artifacts of earlier versions, which counted "requests", still
+    parse."""
+    text = progress.describe("aime24", 1, ShardProgress(3, 120, 800, unit="samples"))
+    assert text == "aime24 shard 1: 3 of 120 samples, 800 tokens generated"
+    assert progress.parse(text) == progress.Reported("aime24", 1, ShardProgress(3, 120, 800, unit="samples"))
     assert progress.parse(progress.describe("aime24", 1, ShardProgress(3, 30, 800))).progress.unit == "problems"
-    snap = progress.Snapshot(done=3, total=30, tokens=800, shards=8, running=8, unit="requests")
-    assert "3 of 240 requests" in progress.describe_evaluation(["aime24"], 3, 240, snap, "requests")
+    assert progress.parse("aime24 shard 1: 3 of 30 requests, 800 tokens generated").progress.done == 3
+    snap = progress.Snapshot(done=3, total=120, tokens=800, shards=8, running=8, unit="samples")
+    assert "3 of 960 samples" in progress.describe_evaluation(["aime24"], 3, 960, snap, "samples")
     out, now = io.StringIO(), [0.0]
     with progress.Display(Console(file=out, force_terminal=False, width=200), "eval/aime24", every_s=60,
                           clock=lambda: now[0]) as display:
         now[0] = 60.0
         display.update("Running", snap)
-    assert out.getvalue().startswith("eval/aime24: 3/30 requests, 800 tokens")
+    assert out.getvalue().startswith("eval/aime24: 3/120 samples, 800 tokens")
 
 
 def test_the_plan_says_what_its_progress_counts():
-    from evaldag.request.plan import EvalPlan
+    """Problems where each has one sample, else samples, over every shard: AIME24's 30 problems x 32 samples split
+    over 8 shards are 960 samples; at n = 1, 30 problems."""
+    from evaldag.request.config import SamplingConfig
+    from evaldag.request.plan import EvalPlan, plan_split_shards
 
-    assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": None})()) == "problems"
-    assert EvalPlan.progress_unit.fget(type("Plan", (), {"sample_runs": [[(0, 4)]]})()) == "requests"
+    def plan(n, shards, runs):
+        fields = {"sampling": SamplingConfig(n=n, temperature=1.0 if n > 1 else 0.0), "sample_runs": runs,
+                  "shards": shards, "num_shards": len(shards)}
+        fake = type("Plan", (), fields)()
+        fake.shard_runs = lambda s: EvalPlan.shard_runs(fake, s)
+        return fake
+
+    ids = pl.DataFrame({"sample_id": [f"p{k}" for k in range(30)], "prompt": ["x" * k for k in range(30)]})
+    shards, runs = plan_split_shards(ids, 8, 32)
+    split = plan(32, shards, runs)
+    assert EvalPlan.progress_unit.fget(split) == "samples" and EvalPlan.progress_total.fget(split) == 960
+    whole = plan(32, [ids["sample_id"].to_list()], None)
+    assert EvalPlan.progress_unit.fget(whole) == "samples" and EvalPlan.progress_total.fget(whole) == 960
+    one = plan(1, [ids["sample_id"].to_list()], None)
+    assert EvalPlan.progress_unit.fget(one) == "problems" and EvalPlan.progress_total.fget(one) == 30
 
 
 def test_each_round_of_an_adaptive_evaluation_is_counted_on_its_own():

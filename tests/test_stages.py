@@ -583,8 +583,13 @@ def test_a_problems_samples_go_in_round_by_round_and_resume_to_the_whole_request
     assert sum(_chunk_rows(plan)) == 2 * 20                 # the 20 requests that finished before the failure
 
     StreamingEngine.crash_after, StreamingEngine.generated = None, []
-    resumed = pl.read_parquet(generate_shard(plan, 0))
+    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    heard = []
+    resumed = pl.read_parquet(generate_shard(plan, 0, heard.append))
     assert len(StreamingEngine.generated) == 64 - 20        # only what no chunk held
+    # progress counts samples, the resumed ones included, and moves with every request of 2
+    assert (heard[0].done, heard[0].total, heard[0].unit) == (40, 128, "samples") and heard[-1].done == 128
+    assert {b.done - a.done for a, b in zip(heard, heard[1:])} <= {0, 2}
     assert resumed.height == 8 * 16 and resumed.select("sample_id", "sample_index").is_unique().all()
     monkeypatch.setattr(stages, "SAMPLE_ROUNDS", 1)        # one request of 16 samples per problem
     StreamingEngine.submitted = []

@@ -96,7 +96,7 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
     stays in the shard's chunks for a later evaluation).
 
     When the plan names a reference model, also score the completions under both models (log-probs for KL).
-    `progress`, when given, hears how many of the shard's problems are done and how many tokens were generated,
+    `progress`, when given, hears how many of the shard's samples are done and how many tokens were generated,
     while it generates (see Progress).
     """
     out = plan.generations_path(shard)
@@ -105,7 +105,7 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
             log.info("shard %d: generations already in %s, reusing them", shard, out)
             _record_stage(plan, shard, "generate", computed=False)
             if progress is not None:     # its tokens too: a retried shard's count must not fall back to 0
-                total = plan.shard_inputs(shard).height
+                total = sum(count for _, count in plan.shard_runs(shard))
                 progress(ShardProgress(total, total, _tokens_of(out), tokens_left=0, seconds_left=0.0,
                                        unit=plan.progress_unit))
         else:
@@ -177,7 +177,7 @@ def chunk_policy() -> tuple[int, float]:
 
 
 class _ShardRun:
-    """What both ways of generating a shard share: its rows, its progress (problems done, tokens generated) and the
+    """What both ways of generating a shard share: its rows, its progress (samples done, tokens generated) and the
     figures for its stats."""
 
     def __init__(self, plan: EvalPlan, shard: int, engine, inputs: pl.DataFrame, chunks: UPath,
@@ -187,6 +187,9 @@ class _ShardRun:
         self.prompts = inputs["prompt"].to_list()
         self.runs = plan.shard_runs(shard)     # (first sample index, samples) of each problem here
         self.done = 0                   # problems whose rows are generated (resumed ones included)
+        self.samples = sum(count for _, count in self.runs)
+        self.samples_done = 0           # samples whose rows are generated: what progress counts (a problem's samples
+                                        # finish at several times)
         # Two token counts, both right: `tokens` is this attempt's (its rate, log lines and stats), progress adds
         # `resumed_tokens`, those of the rows an earlier attempt kept, so the evaluation's count never falls back
         self.tokens = 0                 # tokens of this run's finished requests
@@ -231,7 +234,7 @@ class _ShardRun:
         self._reported_tokens = max(self._reported_tokens, self.resumed_tokens + self.tokens + self.running_tokens)
         est = self.time_left.estimate(self.tokens + self.running_tokens, self.running_counts,
                                       self.not_started()) if self.time_left is not None else None
-        self._progress(ShardProgress(self.done, len(self.prompts), self._reported_tokens,
+        self._progress(ShardProgress(self.samples_done, self.samples, self._reported_tokens,
                                      est.tokens_per_s if est else None, est.tokens_left if est else None,
                                      est.seconds_left if est else None, self.plan.progress_unit))
 
@@ -271,6 +274,8 @@ class _PerBatch(_ShardRun):
                      if not self._chunk(b).is_file()]
         todo_ids = {b for b, _ in self.todo}
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
+        self.samples_done = sum(self.runs[i][1] for b, idx in enumerate(self.batches) if b not in todo_ids
+                                for i in idx)
         self.resumed_tokens = sum(_tokens_of(self._chunk(b)) for b in range(len(self.batches)) if b not in todo_ids)
         self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
         self.start_forecast(sum(self.runs[i][1] for b, _ in self.todo for i in self.batches[b]))
@@ -301,6 +306,7 @@ class _PerBatch(_ShardRun):
                 self.tokens += sum(r["completion_tokens"] for r in rows)
                 self.time_left.finish([r["completion_tokens"] for r in rows])
                 self.done += len(self.batches[b])
+                self.samples_done += sum(self.runs[i][1] for i in self.batches[b])
                 self.seconds = time.perf_counter() - t1
                 left -= 1
                 self.report(force=True)         # a batch is minutes of work: every one is news
@@ -335,6 +341,7 @@ class _PerRequest(_ShardRun):
         for k in self.todo:
             self._left[self.pieces[k][0]] += 1
         self.done = sum(left == 0 for left in self._left)
+        self.samples_done = self.samples - sum(self.pieces[k][2] for k in self.todo)
         self.resumed = {"resumed_requests": self.done}
         self.start_forecast(sum(self.pieces[k][2] for k in self.todo))
         self._next_chunk = 1 + max((int(p.stem.split("-")[1]) for p in self.chunks.glob("requests-*.parquet")),
@@ -413,8 +420,9 @@ class _PerRequest(_ShardRun):
         return self._unsubmitted[min(len(self._unsubmitted) - 1, self._window + self._finished_here)]
 
     def _finished(self, key: int, completions: list) -> None:
-        i, first, _, _ = self.pieces[key]
+        i, first, count, _ = self.pieces[key]
         self._finished_here += 1
+        self.samples_done += count
         if not self._pending:
             self._pending_since = time.perf_counter()
         self._pending.extend(self.rows(i, completions, first))

@@ -189,10 +189,9 @@ class EvalPlan(BaseModel):
         return [(int(first), int(count)) for first, count in self.sample_runs[shard]]
 
     @property
-    def n_requests(self) -> int:
-        """Requests over all shards, what shard progress counts: the problems, or where the plan split them, every
-        problem once per shard that holds some of its samples."""
-        return sum(len(shard) for shard in self.shards)
+    def progress_total(self) -> int:
+        """Samples over all shards, what shard progress counts (one per problem at n = 1)."""
+        return sum(count for shard in range(self.num_shards) for _, count in self.shard_runs(shard))
 
     @property
     def decide_settings(self) -> tuple[float, float, int] | None:
@@ -205,9 +204,8 @@ class EvalPlan(BaseModel):
 
     @property
     def progress_unit(self) -> str:
-        """What progress counts, in words: "problems", or "requests" where a problem's samples are split over
-        shards (a split problem is a request on each shard that holds some of it)."""
-        return "problems" if self.sample_runs is None else "requests"
+        """What progress counts, in words: samples, which are "problems" where each problem has one."""
+        return "problems" if self.sample_runs is None and self.sampling.n == 1 else "samples"
 
     def sample_ids(self) -> list[str]:
         """Every problem of the evaluation once, in the order of the shards (a split problem is in several)."""

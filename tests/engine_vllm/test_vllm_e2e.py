@@ -66,11 +66,11 @@ def test_eval_flow_on_the_vllm_engine(live_stack):
     assert per_shard.height == 8 and set(per_shard["len"]) == {2}, per_shard    # 2 samples per problem per shard
     assert samples["completion"].str.len_chars().min() > 0
     assert set(samples["finish_reason"]) <= {"stop", "length"}
-    # progress counts requests (runs of a problem's samples), and says so: 4 per shard, 8 for the evaluation
+    # progress counts samples, and says so: 8 per shard, 16 for the evaluation
     shard_texts = sorted(a.description.split(": ", 1)[1] for a in progress_artifacts([r.id for r in children(fr.id)]))
-    assert [t.split(",")[0] for t in shard_texts] == ["4 of 4 requests"] * 2, shard_texts
+    assert [t.split(",")[0] for t in shard_texts] == ["8 of 8 samples"] * 2, shard_texts
     [whole] = progress_artifacts([fr.id])
-    assert whole.description.startswith("evaluation of gsm8k: 8 of 8 requests"), whole.description
+    assert whole.description.startswith("evaluation of gsm8k: 16 of 16 samples"), whole.description
     _assert_shards_left_nothing(live_stack, fr.id)
 
 
