@@ -98,6 +98,11 @@ def test_the_second_round_draws_more_where_the_first_was_uncertain_and_the_reduc
     assert samples.select("sample_id", "sample_index").is_unique().all()
     # each sample was generated once, at the index its round planned
     assert len(PatternEngine.generated) == len(set(PatternEngine.generated)) == total
+    # a problem's answer groups span both rounds and every shard: one group per distinct answer, one answer a group
+    groups = samples.group_by("sample_id").agg(answers=pl.col("pred").n_unique(),
+                                                groups=pl.col("answer_group").n_unique(),
+                                                pairs=pl.struct("pred", "answer_group").n_unique())
+    assert (groups["answers"] == groups["groups"]).all() and (groups["pairs"] == groups["answers"]).all(), groups
     # the first round's figures are a fixed n = 4 evaluation's: per problem 0, 1, 2/4, 1/4 -> 0.4375
     assert metrics["avg@4"] == pytest.approx((0 + 1 + 0.5 + 0.25) / 4)
     # every row is graded as the pattern says

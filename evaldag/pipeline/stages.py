@@ -729,12 +729,12 @@ def _rounds(plan: EvalPlan, graded: pl.DataFrame, expected: list[str]) -> tuple[
     graded = graded.sort(["sample_id", "sample_index"])
     first = graded if plan.request.adaptive is None else graded.filter(pl.col("sample_index") < n)
     metricsmod.check_complete(first, expected, n)
-    if plan.sample_runs is not None:
-        # a problem's samples come from several shards, whose graders numbered answer groups each on its own:
-        # maj@k must vote over groups of the whole problem
-        first = _group_answers(plan, first.drop("answer_group"), workers=1)[0]
-        later = graded.filter(pl.col("sample_index") >= n).select(first.columns)
-        graded = first if plan.request.adaptive is None else pl.concat([first, later])
+    if plan.sample_runs is not None or plan.request.adaptive is not None:
+        # a problem's samples come from several shards (or rounds), whose graders numbered answer groups each on
+        # its own: maj@k must vote over groups of the whole problem, and samples.parquet's groups span it. Rows
+        # are in sample order, so the first round's groups are the same whether the later rows are grouped or not.
+        graded = _group_answers(plan, graded.drop("answer_group"), workers=1)[0]
+        first = graded if plan.request.adaptive is None else graded.filter(pl.col("sample_index") < n)
     return first, graded
 
 
