@@ -8,8 +8,9 @@ from urllib.parse import unquote
 _USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#]*@")
 _QUERY_PARAM = re.compile(r"([?&])([^=&#?/]+)=([^&#]*)")
 # matches api_key, apikey, access_token, X-Amz-Signature, X-Amz-Credential, sig (Azure SAS), password, secret, ...;
-# masking a harmless parameter costs a reader little, showing a secret one costs a credential
-_SECRET_PARAM = re.compile(r"token|key|pass|secret|sig|credential|auth", re.I)
+# masking a harmless parameter costs a reader little, showing a secret one costs a credential. Not author, design or
+# passage: the openai engine refuses a base_url with a parameter this matches, so a common word must not
+_SECRET_PARAM = re.compile(r"token|key|pass(?!age)|secret|(?<![a-z])sig|credential|auth(?!ors?(?![a-z]))", re.I)
 
 
 class EvalDagError(Exception):

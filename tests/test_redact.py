@@ -21,6 +21,8 @@ from evaldag.tracking.names import charts_url, run_url
     ("http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning&compareRunsMode=CHART",
      "http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning&compareRunsMode=CHART"),
     ("http://host/search?email=a@b.c&q=a%20b", "http://host/search?email=a@b.c&q=a%20b"),
+    ("http://host/v1?author=me&author_id=7&design=x&passage=2&auth=S1&authorization=S2&Signature=S3",
+     "http://host/v1?author=me&author_id=7&design=x&passage=2&auth=***&authorization=***&Signature=***"),
     ("s3://bucket/evals", "s3://bucket/evals"),
     ("http://[bad", "http://[bad"),
 ])
