@@ -62,6 +62,15 @@ def test_unknown_scheme_is_a_clear_error():
         store.as_path("  ")
 
 
+@pytest.mark.parametrize("url", ["sftp://svc:PW123@files.corp:22/evals", "ftp://files.corp/evals"])
+def test_a_store_whose_paths_lose_their_host_as_text_is_refused(url):
+    """Shard runs get plan paths as text; an sftp:// path written as text is 'sftp:///evals' (host and user go into
+    storage options), so workers would use another machine's folder: refused up front, without the password."""
+    with pytest.raises(ConfigError, match="loses its host") as err:
+        store.as_path(url)
+    assert "PW123" not in str(err.value) and "object store" in str(err.value)
+
+
 @pytest.mark.parametrize("root", ["local", "memory://evaldag-store-test"])
 def test_atomic_writes_and_tables_round_trip(root, tmp_path):
     base = store.as_path(tmp_path if root == "local" else root)

@@ -26,7 +26,7 @@ from pathlib import Path
 from upath import UPath
 
 from evaldag import paths
-from evaldag.errors import ConfigError
+from evaldag.errors import ConfigError, redact_url
 
 StorePath = UPath
 log = logging.getLogger("evaldag")
@@ -53,12 +53,23 @@ def as_path(location: str | os.PathLike) -> UPath:
         return UPath(Path(text).expanduser().resolve())
     try:
         path = UPath(text)
+        _check_passes_as_text(text, path)
         path.fs  # noqa: B018 - creating the filesystem is what fails when its package is missing
     except (ImportError, ValueError) as e:
         scheme = text.split("://", 1)[0]
         raise ConfigError(f"the result store {text!r} needs the fsspec backend for {scheme!r}: {e}; install it "
                           "(e.g. `pip install s3fs` for s3://, `gcsfs` for gs://, `adlfs` for az://)") from None
     return path
+
+
+def _check_passes_as_text(text: str, path: UPath) -> None:
+    """Refuse a store URL that does not survive `str()`: flows hand plans to shard runs and workers by path text,
+    and for some filesystems (ftp://, sftp://: host, port and user go into storage options) that text drops the
+    host, so a worker would read and write somewhere else."""
+    if UPath(str(path)).storage_options != path.storage_options:
+        raise ConfigError(f"the result store {redact_url(text)!r} cannot be used: a path on it loses its host and "
+                          f"user when written as text ({str(path)!r}), which is how evaldag hands paths to its "
+                          "workers; use an object store (s3://, gs://, az://) or mount the server as a local folder")
 
 
 def is_local(path: UPath) -> bool:
