@@ -4,14 +4,14 @@
 
 What it simulates: one slot's continuous-batching engine as in bench/bench_schedule.py (at most `cap` sequences,
 each decode step advances every running one by a token and takes step_s + per_seq_s x c seconds), fed one shard's
-completions as evaldag.pipeline.stages submits them: each problem's samples cut into SAMPLE_ROUNDS requests
-(evaldag.request.plan.sample_pieces), dealt round by round, each round in a seeded random order, so that the
+completions as evaldag.pipeline.stages submits them: each sample a request of its own, each problem's samples dealt
+in SAMPLE_ROUNDS rounds (evaldag.request.plan.sample_pieces), each round in a seeded random order, so that the
 finished ones are a fair sample of every problem early on (a scenario marked "before" submits each problem's n
-samples as one request, problem after problem, as evaldag did before), a request's samples admitted together as
-vLLM fans them out. Every
-`--report-s` simulated seconds the shard publishes what evaldag.pipeline.stages does: TimeLeft's forecast from the
-finished lengths and the running sequences' token counts, with the step-time prior of the curve's device. The truth
-is the simulated end.
+samples as one request, problem after problem, as evaldag did before: vLLM fans them out and reports them when
+the last ends). Every
+`--report-s` simulated seconds the shard publishes what evaldag.pipeline.stages does: TimeLeft's forecast from what
+vLLM tells it (a request's lengths when its last sample ends, the running sequences' token counts, the sequences
+queued behind them), with the step-time prior of the curve's device. The truth is the simulated end.
 
 Printed per scenario, the worst of the seeds: the relative error |forecast - truth| / truth of the seconds left,
 largest and median over the reports made once 20 % of the work (tokens) was done and while more than 10 % of the run
@@ -31,7 +31,7 @@ import argparse
 import heapq
 import sys
 import time
-from collections import deque
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 
 import numpy as np
@@ -86,23 +86,28 @@ class Oracle:
         return float(np.mean(ends))
 
 
-def simulate(curve: Curve, seqs: list[tuple[int, int]], cap_tokens: int, report_s: float,
+def simulate(curve: Curve, seqs: list[tuple[int, int, int]], cap_tokens: int, report_s: float,
              oracle: Oracle | None = None) -> tuple[list[dict], float]:
-    """Run the engine over `seqs` ((length, problem), in admission order); returns the reports (t, finished,
-    tokens done, each forecast) and the end time."""
+    """Run the engine over `seqs` ((length, problem, request), in admission order); returns the reports (t,
+    finished, tokens done, each forecast) and the end time. The forecast hears what a shard hears from vLLM
+    (evaldag.pipeline.stages): a request's lengths when its last sample ends, the running sequences' token counts
+    (a sample that ended before its siblings is in neither), and the sequences queued behind them."""
     now = [0.0]
     estimator = TimeLeft(len(seqs), cap_tokens, clock=lambda: now[0],
                          base_fraction=BASE_FRACTION["cpu" if curve is CPU else "cuda"])
     waiting = deque(seqs)
-    running: list[tuple[float, float, int]] = []         # heap of (end step, start step, problem)
+    running: list[tuple[float, float, int, int]] = []    # heap of (end step, start step, problem, request)
+    samples = Counter(request for _, _, request in seqs)
+    ended: dict[int, list[int]] = defaultdict(list)      # lengths of each request's samples that ended
     steps, finished, finished_tokens, reports = 0.0, 0, 0, []
-    total_tokens = sum(length for length, _ in seqs)
+    heard, heard_tokens = 0, 0                           # completions (tokens) of the finished requests
+    total_tokens = sum(length for length, _, _ in seqs)
     next_report = report_s
 
     def admit() -> None:
         while waiting and len(running) < curve.cap:
-            length, problem = waiting.popleft()
-            heapq.heappush(running, (steps + length, steps, problem))
+            length, problem, request = waiting.popleft()
+            heapq.heappush(running, (steps + length, steps, problem, request))
 
     admit()
     while running:
@@ -111,9 +116,9 @@ def simulate(curve: Curve, seqs: list[tuple[int, int]], cap_tokens: int, report_
         if next_report <= t_finish:
             steps += (next_report - now[0]) / step_s
             now[0] = next_report
-            counts = [int(steps - start) for _, start, _ in running]
-            est = estimator.estimate(finished_tokens + sum(counts), counts)
-            naive = (len(seqs) - finished) * now[0] / finished if finished else None
+            counts = [int(steps - start) for _, start, _, _ in running]
+            est = estimator.estimate(heard_tokens + sum(counts), counts, len(waiting))
+            naive = (len(seqs) - heard) * now[0] / heard if heard else None
             report = {"t": now[0], "finished": finished / len(seqs),
                       "work": (finished_tokens + sum(counts)) / total_tokens, "forecast": est.seconds_left,
                       "naive": naive, "true_step": None, "true_lengths": None, "oracle": None,
@@ -123,23 +128,26 @@ def simulate(curve: Curve, seqs: list[tuple[int, int]], cap_tokens: int, report_
                 # where the forecast's error comes from: the same forecast with the engine's true step time, and
                 # with every completion's true length
                 report["true_step"] = estimator.drain(StepModel(curve.step_s, curve.per_seq_s), counts, len(waiting))
-                report["true_lengths"] = drain_seconds(np.asarray([end - steps for end, _, _ in running]),
-                                                       np.asarray([x for x, _ in waiting], dtype=np.float64),
+                report["true_lengths"] = drain_seconds(np.asarray([end - steps for end, _, _, _ in running]),
+                                                       np.asarray([x for x, _, _ in waiting], dtype=np.float64),
                                                        curve.cap, model)
                 if oracle is not None:
-                    report["oracle"] = oracle.seconds_left([(int(steps - start), p) for _, start, p in running],
-                                                           [p for _, p in waiting])
+                    report["oracle"] = oracle.seconds_left([(int(steps - start), p) for _, start, p, _ in running],
+                                                           [p for _, p, _ in waiting])
             reports.append(report)
             next_report += report_s
             continue
         now[0], steps = t_finish, running[0][0]
-        done = []
         while running and running[0][0] <= steps + 1e-9:
-            end, start, _ = heapq.heappop(running)
-            done.append(round(end - start))
-        finished += len(done)
-        finished_tokens += sum(done)
-        estimator.finish(done)
+            end, start, _, request = heapq.heappop(running)
+            ended[request].append(round(end - start))
+            finished += 1
+            finished_tokens += round(end - start)
+            if len(ended[request]) == samples[request]:
+                lengths = ended.pop(request)
+                estimator.finish(lengths)
+                heard += len(lengths)
+                heard_tokens += sum(lengths)
         admit()
     return reports, now[0]
 
@@ -183,12 +191,16 @@ SCENARIOS: list[tuple[Workload, int, Curve, int]] = [
 ]
 
 
-def submitted(lengths: np.ndarray, order: np.ndarray, rounds: int) -> list[tuple[int, int]]:
-    """(length, problem) of each completion of the problems in `order`, in the order the shard submits them."""
+def submitted(lengths: np.ndarray, order: np.ndarray, rounds: int) -> list[tuple[int, int, int]]:
+    """(length, problem, request) of each completion of the problems in `order`, in the order the shard submits
+    them: dealt in `rounds`, each sample a request of its own; with one round, each problem's samples one request
+    (evaldag.pipeline.stages)."""
     position = {int(p): k for k, p in enumerate(order)}
     pieces = sample_pieces([(0, lengths.shape[1])] * lengths.shape[0], rounds)
     pieces = sorted((piece for piece in pieces if piece[0] in position), key=lambda pc: (pc[3], position[pc[0]]))
-    return [(int(x), p) for p, first, count, _ in pieces for x in lengths[p, first:first + count]]
+    seqs = [(int(lengths[p, k]), p, j) for j, (p, first, count, _) in enumerate(pieces)
+            for k in range(first, first + count)]
+    return seqs if rounds == 1 else [(x, p, j) for j, (x, p, _) in enumerate(seqs)]
 
 
 def run(seeds: int, report_s: float) -> pl.DataFrame:

@@ -17,7 +17,7 @@ from conftest import complete_checkpoint
 from index_engine import ByIndexEngine
 from evaldag import engines, paths
 from evaldag.pipeline import stages
-from evaldag.engines.base import Completion, EngineBase
+from evaldag.engines.base import Completion, EngineBase, request_seed
 from evaldag.request.plan import EvalRequest, resolve
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
 from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
@@ -292,6 +292,7 @@ class StreamingEngine:
     of 64, the whole shard, grouped from the same requests) are what a per-batch stage would use."""
 
     delay = 0.05
+    run_cap = None              # sequences it runs at once (vLLM's max_num_seqs): the rest are reported queued
     crash_after = None          # finished requests after which it raises (a node dying mid-shard)
     generated: list = []        # keys of the requests it generated, over all instances
     on_finish = None            # called with the request just finished, before it is yielded
@@ -312,8 +313,10 @@ class StreamingEngine:
             if j == type(self).crash_after:
                 raise ConnectionError("node lost")
             time.sleep(type(self).delay)
-            yield Running(tokens=7 * (len(order) - j),              # 7 tokens so far per unfinished request
-                          counts=(7,) * (len(order) - j))
+            left = len(order) - j
+            running = left if type(self).run_cap is None else min(left, type(self).run_cap)
+            yield Running(tokens=7 * running,                         # 7 tokens so far per running request
+                          counts=(7,) * running, queued=None if type(self).run_cap is None else left - running)
             type(self).generated.append(r.key)
             if type(self).on_finish is not None:
                 type(self).on_finish(r)
@@ -341,6 +344,7 @@ class StreamingEngine:
 @pytest.fixture
 def streaming(setup, monkeypatch):
     StreamingEngine.delay, StreamingEngine.crash_after, StreamingEngine.on_finish = 0.05, None, None
+    StreamingEngine.run_cap = None
     StreamingEngine.generated = []
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: StreamingEngine())
     monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "3")
@@ -427,7 +431,7 @@ def test_shard_killed_mid_generation_resumes_with_every_row_exactly_once(streami
     StreamingEngine.delay, StreamingEngine.generated = 0.0, []
     resumed = pl.read_parquet(generate_shard(plan, 0))
     assert len(StreamingEngine.generated) == 8 - kept                       # only what no chunk held
-    assert json.loads(plan.stats_path("generate", 0).read_text())["resumed_requests"] == kept
+    assert json.loads(plan.stats_path("generate", 0).read_text())["resumed_problems"] == kept
     clean = pl.read_parquet(generate_shard(_plan_of(ckpt, results.parent / "clean", n=2, temperature=0.7), 0))
     assert resumed.height == 16 and resumed.select("sample_id", "sample_index").is_unique().all()
     assert resumed.drop("latency_s", "batch_size").equals(clean.drop("latency_s", "batch_size"))
@@ -507,6 +511,23 @@ def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch)
     assert (heard[-1].done, heard[-1].tokens_left, heard[-1].seconds_left) == (8, 0, 0.0)
 
 
+def test_the_forecast_counts_what_the_engine_queues_as_not_started(streaming, monkeypatch):
+    """An engine that runs 2 sequences at once and reports the others as queued (vLLM's max_num_seqs,
+    Running.queued): the queued ones are still to generate (10 tokens each, like the finished), not finished samples
+    of running requests."""
+    from evaldag.pipeline import time_left
+
+    ckpt, _, results = streaming
+    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    monkeypatch.setattr(time_left, "MIN_SPAN_S", 0.1)
+    StreamingEngine.run_cap = 2
+    heard = []
+    generate_shard(_plan_of(ckpt, results), 0, heard.append)
+    middle = [p for p in heard[1:-1] if p.seconds_left is not None and p.done <= 5]
+    assert middle, heard
+    assert all(p.tokens_left == 2 * 3 + 10 * (8 - p.done - 2) for p in middle), heard
+
+
 def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, monkeypatch):
     """Progress moves as each request finishes and carries the tokens of the running ones, long before the last
     (longest) request of the shard finishes; throttled to PROGRESS_S; the last report is exact."""
@@ -554,13 +575,14 @@ def test_split_samples_are_the_whole_requests_samples_each_once(streaming, monke
     assert together.equals(whole.select(keys[:3]).sort(keys[:3]))
 
 
-def test_a_problems_samples_go_in_round_by_round_and_resume_to_the_whole_requests_rows(streaming, monkeypatch):
-    """vLLM, n = 16: each problem's samples go in as 8 requests of 2 (evaldag.request.plan.sample_pieces), every
-    problem's first request before any problem's second, each round along the decision order, so the finished ones
-    are a fair sample of every problem early on. A shard that fails midway resumes with only the requests no chunk
-    holds, and its rows equal those of one request per problem (seeds per sample)."""
+def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_whole_requests_rows(streaming,
+                                                                                                  monkeypatch):
+    """vLLM, n = 16: every sample is a request of its own, and each problem's samples go in 8 rounds of 2
+    (evaldag.request.plan.sample_pieces): every problem's first two before any problem's next two, each round along
+    the decision order, so the finished ones are a fair sample of every problem early on, each heard as it ends. A
+    shard that fails midway resumes with only the samples no chunk holds; its rows equal those of one request per
+    problem (seeds per sample), and its progress counts samples."""
     from evaldag.decisions.decide import decision_order
-    from evaldag.request.plan import sample_pieces
 
     ckpt, _, results = streaming
     monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
@@ -570,33 +592,71 @@ def test_a_problems_samples_go_in_round_by_round_and_resume_to_the_whole_request
                                    sampling={"n": 16, "temperature": 0.7}), results / folder)
 
     plan = vllm_plan("dealt")
-    StreamingEngine.submitted, StreamingEngine.crash_after, StreamingEngine.delay = [], 20, 0.0
+    seen = []
+    StreamingEngine.submitted, StreamingEngine.crash_after, StreamingEngine.delay = [], 40, 0.0
+    StreamingEngine.on_finish = seen.append
     with pytest.raises(ConnectionError):
         generate_shard(plan, 0)
-    pieces = sample_pieces(plan.shard_runs(0))
     ids = plan.shard_inputs(0)["sample_id"].to_list()
-    submitted = [pieces[k] for k in StreamingEngine.submitted[0]]
-    assert len(submitted) == 64 and {count for _, _, count, _ in submitted} == {2}
-    assert [r for _, _, _, r in submitted] == sorted(r for _, _, _, r in submitted)       # round by round
-    assert [ids[i] for i, _, _, _ in submitted[:8]] == decision_order(ids, plan.sampling.seed)
-    assert sorted((i, first) for i, first, _, _ in submitted) == [(i, f) for i in range(8) for f in range(0, 16, 2)]
-    assert sum(_chunk_rows(plan)) == 2 * 20                 # the 20 requests that finished before the failure
+    first = StreamingEngine.submitted[0]
+    assert len(first) == 128 and {r.n for r in seen} == {1}
+    # the k-th request submitted: problem of round k // 16, samples 2r and 2r + 1 of each problem in that round
+    by_key = {r.key: r for r in seen}
+    order = decision_order(ids, plan.sampling.seed)
+    assert [ids.index(sid) for sid in order] == [stages_piece[0] for stages_piece in
+                                                 [_piece_of(plan, k) for k in first[:16:2]]]
+    assert all(_piece_of(plan, k)[1] // 2 == n // 16 for n, k in enumerate(first))       # round by round
+    assert {(_piece_of(plan, k)[0], _piece_of(plan, k)[1]) for k in first} == {(i, s) for i in range(8)
+                                                                                 for s in range(16)}
+    assert all(by_key[k].seed == request_seed(plan.sampling.seed, ids[_piece_of(plan, k)[0]]) + _piece_of(plan, k)[1]
+               for k in by_key)
+    assert sum(_chunk_rows(plan)) == 40                     # the 40 samples that finished before the failure
 
-    StreamingEngine.crash_after, StreamingEngine.generated = None, []
+    StreamingEngine.crash_after, StreamingEngine.generated, StreamingEngine.on_finish = None, [], None
     monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
     heard = []
     resumed = pl.read_parquet(generate_shard(plan, 0, heard.append))
-    assert len(StreamingEngine.generated) == 64 - 20        # only what no chunk held
-    # progress counts samples, the resumed ones included, and moves with every request of 2
-    assert (heard[0].done, heard[0].total, heard[0].unit) == (40, 128, "samples") and heard[-1].done == 128
-    assert {b.done - a.done for a, b in zip(heard, heard[1:])} <= {0, 2}
+    assert len(StreamingEngine.generated) == 128 - 40       # only what no chunk held
     assert resumed.height == 8 * 16 and resumed.select("sample_id", "sample_index").is_unique().all()
-    monkeypatch.setattr(stages, "SAMPLE_ROUNDS", 1)        # one request of 16 samples per problem
+    # progress counts samples, the resumed ones included, one at a time
+    assert (heard[0].done, heard[0].total, heard[0].unit) == (40, 128, "samples") and heard[-1].done == 128
+    assert {b.done - a.done for a, b in zip(heard, heard[1:])} <= {0, 1}
+    monkeypatch.setattr(stages, "splits_samples", lambda engine, n: False)    # one request of 16 per problem
     StreamingEngine.submitted = []
     whole = pl.read_parquet(generate_shard(vllm_plan("whole"), 0))
     assert len(StreamingEngine.submitted[0]) == 8
     cols = ["sample_id", "sample_index", "completion"]
     assert resumed.select(cols).equals(whole.select(cols))
+
+
+def _piece_of(plan, key: int) -> tuple[int, int, int, int]:
+    """The request `key` of a fresh dealt shard 0: (problem, first sample, samples, round)."""
+    from evaldag.request.plan import sample_pieces
+
+    ids = plan.shard_inputs(0)["sample_id"].to_list()
+    return stages._missing_requests(sample_pieces(plan.shard_runs(0)), ids, set(), one_per_sample=True)[key]
+
+
+def test_a_shard_resumes_per_sample_from_chunks_cut_otherwise(streaming, monkeypatch):
+    """A dealt evaluation (one request per sample) fails midway; an evaluation of the same checkpoint that may stop
+    early (same generation key, whole problems) then generates only the missing samples, in stretches, so every
+    (problem, sample) is generated once and the merge finds each once (a check by first sample would skip a
+    partly written problem's other samples, or generate its written ones again)."""
+    ckpt, _, results = streaming
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    dealt = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm",
+                                sampling={"n": 4, "temperature": 0.7}), results)
+    StreamingEngine.crash_after, StreamingEngine.delay = 13, 0.0
+    with pytest.raises(ConnectionError):
+        generate_shard(dealt, 0)
+    assert sum(_chunk_rows(dealt)) == 13
+    monkeypatch.setattr(stages, "splits_samples", lambda engine, n: False)   # as an evaluation that may stop early
+    StreamingEngine.crash_after, StreamingEngine.generated = None, []
+    seen = []
+    StreamingEngine.on_finish = seen.append
+    rows = pl.read_parquet(generate_shard(dealt, 0))
+    assert rows.height == 32 and rows.select("sample_id", "sample_index").is_unique().all()
+    assert sum(r.n for r in seen) == 32 - 13 and any(r.n > 1 for r in seen)
 
 
 def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setup, monkeypatch):

@@ -52,6 +52,9 @@ class Running:
     # each running sequence's tokens so far (an n-sample request has n sequences; None where the engine cannot
     # say): what evaldag.pipeline.time_left forecasts the end from
     counts: tuple[int, ...] | None = None
+    # sequences handed to the engine that it has not started (its own queue, behind its running set: vLLM runs at
+    # most max_num_seqs at once); None where the engine cannot say
+    queued: int | None = None
 
 
 Event = Finished | Running          # what Engine.generate_requests yields

@@ -212,8 +212,8 @@ class VLLMEngine(EngineBase):
                                    self._completions(ids[i], out, latency, len(requests)))
                 if waiting and time.perf_counter() - last_report >= report_s:
                     last_report = time.perf_counter()
-                    counts = _running_counts(engine)
-                    yield Running(None if counts is None else sum(counts), counts)
+                    counts, held = _running_counts(engine)
+                    yield Running(None if counts is None else sum(counts), counts, held)
             if waiting:
                 raise RuntimeError(f"vLLM stopped with {len(waiting)} requests unfinished")
         finally:
@@ -302,14 +302,24 @@ def _request_states(engine) -> list:
     return list(states.values()) if isinstance(states, dict) else []
 
 
-def _running_counts(engine) -> tuple[int, ...] | None:
-    """Tokens generated so far by each unfinished sequence, or None where vLLM does not expose them."""
+def _running_counts(engine) -> tuple[tuple[int, ...] | None, int | None]:
+    """(tokens generated so far by each started sequence, sequences not started yet), each None where vLLM does
+    not expose it. vLLM keeps a state for every sequence it was handed, also those queued behind its running set
+    (max_num_seqs): those have not left their prefill, and counting them as running would make the forecast see an
+    engine that runs them all at once. Where a state does not say whether it is prefilling, every one counts as
+    running and the queue is unknown."""
     states = _request_states(engine)
+    if not states:
+        return None, None
     try:
-        return tuple(s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None) \
-            if states else None
+        prefilling = [getattr(s, "is_prefilling", None) for s in states]
+        counts = [s.detokenizer.num_output_tokens() for s in states if s.detokenizer is not None]
     except AttributeError:
-        return None
+        return None, None
+    if any(p is None for p in prefilling) or len(counts) != len(states):
+        return tuple(counts), None
+    started = tuple(s.detokenizer.num_output_tokens() for s, p in zip(states, prefilling) if not p)
+    return started, len(states) - len(started)
 
 
 def _note_started(engine, waiting: dict[str, int], started: dict[str, float], step_start: float) -> None:

@@ -201,6 +201,7 @@ class _ShardRun:
         self.todo: list = []
         self.resumed: dict[str, int] = {}
         self.running_counts: tuple[int, ...] | None = None    # each running sequence's tokens, where reported
+        self.engine_queued: int | None = None                 # sequences the engine holds but has not started
         self.time_left: TimeLeft | None = None                # set once `todo` is known
         self.stopped = False                                  # the parent decided the evaluation (evaldag.decisions.decide)
         self._stop_checked = 0.0
@@ -277,7 +278,8 @@ class _PerBatch(_ShardRun):
         self.samples_done = sum(self.runs[i][1] for b, idx in enumerate(self.batches) if b not in todo_ids
                                 for i in idx)
         self.resumed_tokens = sum(_tokens_of(self._chunk(b)) for b in range(len(self.batches)) if b not in todo_ids)
-        self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_requests": self.done}
+        self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_problems": self.done,
+                        "resumed_samples": self.samples_done}
         self.start_forecast(sum(self.runs[i][1] for b, _ in self.todo for i in self.batches[b]))
 
     def _along_the_decision_order(self, batches: list[list[int]]) -> list[list[int]]:
@@ -319,12 +321,12 @@ class _PerBatch(_ShardRun):
 
 
 class _PerRequest(_ShardRun):
-    """An engine that reports per request (vLLM): every missing request at once, seeded by (evaluation seed,
-    sample id) whatever batch or chunk it falls in; finished requests are written in chunks (chunk_policy), and
-    progress counts finished requests and the tokens of running ones. A problem's samples go in as several requests
-    of a few samples each, dealt round by round over the shard's problems (evaldag.request.plan.sample_pieces),
-    where the engine seeds each sample alone and the evaluation does not stop early. A resumed shard skips the
-    requests already in a chunk."""
+    """An engine that reports per request (vLLM): every missing sample at once, each seeded by (evaluation seed,
+    sample id, sample index) whatever request, batch or chunk it falls in; finished requests are written in chunks
+    (chunk_policy), and progress counts finished samples and the tokens of running ones. Where the engine seeds
+    each sample alone and the evaluation does not stop early, every sample is a request of its own, dealt round by
+    round over the shard's problems (evaldag.request.plan.sample_pieces); otherwise a problem's samples are one
+    request. A resumed shard generates only the samples no chunk holds."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -332,18 +334,19 @@ class _PerRequest(_ShardRun):
         # an evaluation that may stop early decides on whole problems, taken along its decision order
         dealt = (self.plan.request.decide is None
                  and splits_samples(self.plan.resolved_model.engine, self.plan.sampling.n))
-        # one request per piece, keyed by its place here: with one round, piece k is problem k
-        self.pieces = sample_pieces(self.runs, SAMPLE_ROUNDS if dealt else 1)
-        # a request's rows are written together: it is done when its first sample is
-        self.todo = [k for k, (i, first, _, _) in enumerate(self.pieces)
-                     if (self.records[i]["sample_id"], first) not in written]
+        # the requests (problem, first sample, samples, round), keyed by their place here: for a fresh shard that is
+        # not dealt, request k is problem k
+        self.pieces = _missing_requests(sample_pieces(self.runs, SAMPLE_ROUNDS if dealt else 1),
+                                        [r["sample_id"] for r in self.records], written, one_per_sample=dealt)
+        self.todo = list(range(len(self.pieces)))
         self._left = [0] * len(self.prompts)        # each problem's requests not finished
-        for k in self.todo:
-            self._left[self.pieces[k][0]] += 1
+        for i, _, _, _ in self.pieces:
+            self._left[i] += 1
         self.done = sum(left == 0 for left in self._left)
-        self.samples_done = self.samples - sum(self.pieces[k][2] for k in self.todo)
-        self.resumed = {"resumed_requests": self.done}
-        self.start_forecast(sum(self.pieces[k][2] for k in self.todo))
+        left = sum(count for _, _, count, _ in self.pieces)
+        self.samples_done = self.samples - left
+        self.resumed = {"resumed_problems": self.done, "resumed_samples": self.samples_done}
+        self.start_forecast(left)
         self._next_chunk = 1 + max((int(p.stem.split("-")[1]) for p in self.chunks.glob("requests-*.parquet")),
                                    default=0)
         self._pending: list[dict] = []      # rows of finished requests not yet written
@@ -390,6 +393,7 @@ class _PerRequest(_ShardRun):
                         self._finished(event.key, event.completions)
                     elif event.tokens is not None:
                         self.running_tokens, self.running_counts = event.tokens, event.counts
+                        self.engine_queued = event.queued
                     self.seconds = time.perf_counter() - t1
                     if (self._pending_requests >= every_requests
                             or (self._pending and time.perf_counter() - self._pending_since >= every_s)):
@@ -408,16 +412,18 @@ class _PerRequest(_ShardRun):
             raise
         self._flush()
         self.seconds = time.perf_counter() - t1
-        self.running_tokens, self.running_counts = 0, ()
+        self.running_tokens, self.running_counts, self.engine_queued = 0, (), 0
         self.report(force=True)
 
     def not_started(self) -> int | None:
-        """The sequences of the requests not handed to the engine yet: with the engine's running counts known, any
-        other unfinished sequence is a finished sample of a request whose siblings still run (vLLM drops it from
-        its running set), which has nothing left to generate."""
+        """The sequences not started yet: those of the requests not handed to the engine, and those the engine
+        queues behind its running set, where it says (Running.queued). With the engine's running counts known,
+        any other unfinished sequence is a finished sample of a request whose siblings still run (vLLM drops it
+        from its running set), which has nothing left to generate."""
         if self.running_counts is None or not self._unsubmitted:
             return None
-        return self._unsubmitted[min(len(self._unsubmitted) - 1, self._window + self._finished_here)]
+        unsubmitted = self._unsubmitted[min(len(self._unsubmitted) - 1, self._window + self._finished_here)]
+        return unsubmitted + (self.engine_queued or 0)
 
     def _finished(self, key: int, completions: list) -> None:
         i, first, count, _ = self.pieces[key]
@@ -448,6 +454,27 @@ class _PerRequest(_ShardRun):
 def _tokens_of(path: UPath) -> int:
     """The completion tokens of a generations file or chunk."""
     return int(read_table(path, GENERATION_SCHEMA, columns=["completion_tokens"])["completion_tokens"].sum())
+
+
+def _missing_requests(pieces: list[tuple[int, int, int, int]], sample_ids: list[str], written: set[tuple[str, int]],
+                      one_per_sample: bool) -> list[tuple[int, int, int, int]]:
+    """The requests (problem, first sample index, samples, round) that generate the samples of `pieces`
+    (evaldag.request.plan.sample_pieces) not in `written`: one per sample where `one_per_sample`, else one per
+    stretch of consecutive missing samples. Per sample, not per piece: chunks written by an attempt that cut the
+    samples otherwise (a dealt evaluation, then one that may stop early, on the same generation key) hold parts
+    of pieces."""
+    out = []
+    for i, first, count, rnd in pieces:
+        missing = [k for k in range(first, first + count) if (sample_ids[i], k) not in written]
+        if one_per_sample:
+            out.extend((i, k, 1, rnd) for k in missing)
+            continue
+        for k in missing:
+            if out and out[-1][0] == i and out[-1][1] + out[-1][2] == k and out[-1][3] == rnd:
+                out[-1] = (i, out[-1][1], out[-1][2] + 1, rnd)
+            else:
+                out.append((i, k, 1, rnd))
+    return out
 
 
 def _written_samples(chunks: UPath) -> tuple[set[tuple[str, int]], int]:

@@ -280,7 +280,9 @@ def splits_samples(engine: str, n: int) -> bool:
 # first piece, then every problem's second, and so on. The finished samples are then a fair sample of all the
 # shard's problems from the first minutes on, which is what its forecast of the end reads
 # (evaldag.pipeline.time_left); whole problems one after another leave the problems not started yet unseen until
-# late, the forecast's largest error at scale (docs/performance.md).
+# late, the forecast's largest error at scale (docs/performance.md). Each sample of a piece goes in as a request of
+# its own (so its length is heard as it ends, not when its siblings do), next to the piece's others (so the prompt's
+# cached prefill is reused).
 SAMPLE_ROUNDS = 8
 
 

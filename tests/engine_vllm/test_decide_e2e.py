@@ -88,7 +88,7 @@ def test_an_equivalent_checkpoint_stops_early_and_its_rows_serve_the_full_evalua
     _, full = _evaluate(2, **STEP2)
     full_plan = _plan(full)
     assert full_plan.generation_key == plan.generation_key
-    resumed = sum(json.loads(full_plan.stats_path("generate", s).read_text())["resumed_requests"]
+    resumed = sum(json.loads(full_plan.stats_path("generate", s).read_text())["resumed_problems"]
                   for s in range(full_plan.num_shards))
     assert resumed == len(kept)
     full_samples = load_samples(full["mlflow_run_id"])

@@ -232,6 +232,26 @@ def test_requests_stream_one_by_one_with_their_own_latency(engine):
     assert ok.latency_s < 0.75 * essay.latency_s and essay.latency_s <= essay_t, (ok.latency_s, essay.latency_s)
 
 
+def test_running_reports_count_only_started_sequences_and_say_how_many_wait(engine):
+    """More sequences than vLLM runs at once (max_num_seqs): the Running reports count the started ones only and
+    give the rest as queued, so the forecast of the end (evaldag.pipeline.time_left) sees the engine's real
+    concurrency; before, every queued sequence counted as running with 0 tokens."""
+    from evaldag.engines.base import Finished, Request, Running
+
+    cap = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    total = cap + 40
+    reports, finished = [], 0
+    for event in engine.generate_requests([Request("many", "Say OK.", 1, n=total)],
+                                          SamplingConfig(n=total, temperature=1.0, max_new_tokens=6), report_s=0.0):
+        if isinstance(event, Running):
+            reports.append(event)
+        elif isinstance(event, Finished):
+            finished += len(event.completions)
+    assert finished == total and reports, reports
+    assert all(r.queued is not None and len(r.counts) <= cap and len(r.counts) + r.queued <= total for r in reports)
+    assert any(r.queued >= 40 for r in reports), [(len(r.counts), r.queued) for r in reports]
+
+
 def test_a_run_of_samples_alone_equals_those_samples_of_the_whole_request(engine):
     """What plans that split a problem's samples over shards rest on (evaldag.request.plan.splits_samples): samples
     a..a+c-1 of a request of n samples seeded s are exactly a request of n = c seeded s + a, token for token,
