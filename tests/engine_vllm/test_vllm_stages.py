@@ -88,9 +88,11 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
 
 
 def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypatch):
-    """The stage on the real engine, all requests in vLLM at once: progress carries the tokens of running requests
-    within seconds of the start and counts requests as they finish, long before the shard's longest request ends;
-    rows are written in chunks while it runs; each completion's latency is its own request's."""
+    """The stage on the real engine: progress carries the tokens of running requests within seconds of the start
+    and counts requests as they finish, long before the shard's longest request ends; rows are written in chunks
+    while it runs; each completion's latency is its own request's. Two requests in vLLM at a time (the window of an
+    evaluation that may stop early), so the later ones start when earlier ones end: with all in at once their own
+    latencies and the shard's time can coincide (on some CPUs every answer runs to the cap)."""
     import time
 
     from evaldag.request.plan import EvalRequest, resolve
@@ -101,6 +103,7 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
     monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
     # every event reported (not every 5 s): whether a report falls between two finishes must not depend on timing
     monkeypatch.setattr(stages, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(stages.decide, "in_flight", lambda plan: 2)
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=6, num_shards=1, sampling={"max_new_tokens": 192},
                                engine="vllm"), tmp_path / "results")
     chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
@@ -120,6 +123,6 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
     # tokens while requests run, and requests counted and written before the last one finished
     assert any(0 < tok and done < 6 for _, done, _, tok, _ in heard[:-1]), heard
     assert any(0 < done < 6 and files for _, done, _, _, files in heard[:-1]), heard
-    # each completion's latency is its own: short answers took less than the longest, which took less than it all
+    # each completion's latency is its own: none spans the shard's generation, which ran three waves of requests
     latency = gens["latency_s"].to_list()
-    assert min(latency) < 0.8 * max(latency) and max(latency) <= heard[-1][0] - start + 1, latency
+    assert max(latency) < 0.6 * (heard[-1][0] - start), (latency, heard[-1][0] - start)
