@@ -38,8 +38,10 @@ GENERATION_SCHEMA: dict[str, pl.DataType] = {
     "prompt_tokens": pl.Int64,   # tokens of the full chat-formatted prompt
     "completion_tokens": pl.Int64,
     "finish_reason": pl.Utf8,    # "stop" (end of sequence) or "length" (hit max_new_tokens)
-    "latency_s": pl.Float64,     # wall time of the batch that produced this completion
-    "batch_size": pl.Int64,
+    # vLLM: seconds from the engine step that gave the completion's request its first token to the one that ended
+    # it (each sample is a request of its own where the shard deals them); a static-batch engine: its batch's time
+    "latency_s": pl.Float64,
+    "batch_size": pl.Int64,      # the batch's size; vLLM: the requests its engine was given together
 }
 
 # Grading adds these columns.
