@@ -120,6 +120,32 @@ def test_the_step_time_line_is_fitted_to_the_run_and_falls_back_on_the_prior():
     assert noisy.per_seq_s == 0.0 and noisy.base_s == pytest.approx((0.05 + 0.08) / 2)
 
 
+def test_the_step_time_is_measured_where_the_engine_decodes_not_while_it_takes_prompts_in():
+    """While the running set grows the engine spends its steps on the new prompts' prefill (here 2.2 s a step): those
+    intervals are not step times of decoding, and fitted in they raised the step of a small running set several-fold.
+    Then the running set stays full and drains on an engine with step = 0.02 + 0.002 c: that is what is fitted."""
+    now, tokens = [0.0], [0]
+    est = TimeLeft(2000, 512, clock=lambda: now[0], base_fraction=0.02)
+
+    def report(c: int, seconds: float, step_s: float) -> None:
+        now[0] += seconds
+        tokens[0] += round(seconds / step_s * c)
+        est.estimate(tokens[0], [5] * c)
+
+    report(1, 1.0, 2.2)
+    for c in (60, 120, 180, 240, 256):          # prompts going in: slow steps
+        report(c, 6.0, 2.2)
+    for c in [256] * 10 + list(range(250, 0, -25)):
+        report(c, 6.0, 0.02 + 0.002 * c)
+    model = est.step_model()
+    assert model.step_s(256) == pytest.approx(0.02 + 0.002 * 256, rel=0.1)
+    assert model.step_s(10) == pytest.approx(0.02 + 0.002 * 10, rel=0.5), model
+    # noise that would put the line's base below 0: a step proportional to c, fitted by least squares
+    steep = fit_step_model([(100.0, c, 100.0 * c / s) for c, s in ((200, 0.5), (10, 0.001))], base_fraction=0.0,
+                           prior_weight_s=0.0)
+    assert steep.base_s == 0.0 and steep.step_s(200) == pytest.approx(0.5, rel=0.01)
+
+
 def test_draining_an_engine_worked_by_hand():
     # two running with 1 and 3 tokens to go, one of 2 waiting, 2 slots: the waiting one starts after 1 step, so 3
     # steps at 2 running; a step of 1 s whatever the count, or of c seconds with c running

@@ -256,8 +256,8 @@ def fit_step_model(intervals: Sequence[tuple[float, float, float]], base_fractio
     slope = np.average((x - xm) * (y - ym), weights=w) / var if var > 0 else 0.0
     slope = max(slope, 0.0)                       # a step cannot get cheaper with more sequences
     base = ym - slope * xm
-    if base < 0:                                  # noise at low concurrency: a step time proportional to c instead
-        base, slope = 0.0, float(np.average(y / x, weights=w))
+    if base < 0:                                  # noise: a step time proportional to c instead, fitted likewise
+        base, slope = 0.0, float(np.sum(w * x * y) / np.sum(w * x * x))
     return StepModel(base_s=float(base), per_seq_s=float(slope))
 
 
@@ -311,13 +311,16 @@ class TimeLeft:
         self.finished.extend(int(n) for n in lengths)
 
     def _measure(self, now: float, tokens_so_far: int, running: list[int] | None) -> None:
-        """Record the interval since the last report: its seconds, mean running sequences and tokens."""
+        """Record the interval since the last report: its seconds, mean running sequences and tokens. Not one in
+        which the running set grew: the engine then spent it on the new sequences' prefill (several times a decode
+        step while vLLM takes its first prompts in, docs/performance.md), which would raise the fitted step time of
+        a small running set, where a shard spends its last minutes, several-fold."""
         c = sum(1 for g in running if g > 0) if running is not None else None
         if c is not None:
             self._slots = max(self._slots, c)
         if self._last is not None and c is not None and self._last[2] is not None:
             t0, k0, c0 = self._last
-            if now > t0 and tokens_so_far > k0 and c0 + c > 0:
+            if now > t0 and tokens_so_far > k0 and c0 + c > 0 and c <= c0:
                 self._intervals.append((now - t0, (c0 + c) / 2.0, float(tokens_so_far - k0)))
         if tokens_so_far > 0:                           # the step model counts from the first token (prefill is slower)
             self._last = (now, tokens_so_far, c)
