@@ -22,6 +22,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from evaldag.errors import CheckpointError
+from evaldag.request.layouts import hf_folder, step_folder
 from evaldag.request.rules import (BENCHMARK_PATTERN, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_checkpoint,
                            check_decide, describe_errors)
 
@@ -35,7 +36,8 @@ MAX_EXTRA_BYTES = 16384
 # Folder-name layouts whose training step parse_step recognizes (whole name, case-insensitive), with examples:
 STEP_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = tuple((re.compile(p, re.IGNORECASE), ex) for p, ex in (
     (r"checkpoint[-_](\d+)", "checkpoint-1200 (Hugging Face Trainer), checkpoint_1200"),
-    (r"global[-_]?step[-_]?(\d+)", "global_step_1200, global_step1200 (DeepSpeed), globalstep1200"),
+    (r"global[-_]?step[-_]?(\d+)", "global_step_1200 (verl), global_step1200 (DeepSpeed), globalstep1200"),
+    (r"global[-_]?step[-_]?(\d+)[-_]hf", "global_step1200_hf (OpenRLHF --save_hf_ckpt)"),
     (r"step[-_]?(\d+)", "step_1200, step-1200, step1200"),
     (r"ckpt[-_](\d+)", "ckpt_1200, ckpt-1200"),
     (r"iter[-_](\d+)", "iter_0001200 (Megatron)"),
@@ -146,7 +148,9 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     if not allowed_roots:
         raise CheckpointError(f"{where}: no checkpoint roots are allowed, so {raw} is refused; set {ROOTS_ENV} "
                               f"to the folder(s) trainers write checkpoints under ({os.pathsep!r}-separated)")
-    real = _real(raw)                  # symlinks resolved: a link inside a root cannot point outside it
+    # symlinks resolved: a link inside a root cannot point outside it; verl's global_step_N stands for its
+    # actor/huggingface model (evaldag.request.layouts)
+    real = _real(hf_folder(_real(raw)))
     roots = [_real(r) for r in allowed_roots]
     if not any(real.is_relative_to(r) for r in roots):
         via = f" (it resolves to {real})" if str(real) != raw else ""
@@ -155,8 +159,9 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     if not real.exists():
         raise CheckpointError(f"{where}: checkpoint folder {raw} does not exist")
     # the folder name is what the sweeper reads the step from: an event that says otherwise (checkpoint-1200 sent
-    # as step 1100) would file one checkpoint's results under two steps, or another's under this one
-    for name in dict.fromkeys((PurePath(raw).name, real.name)):
+    # as step 1100) would file one checkpoint's results under two steps, or another's under this one. verl's
+    # model is named after the global_step_N folder above it.
+    for name in dict.fromkeys((step_folder(Path(raw)).name, step_folder(real).name)):
         named = parse_step(name)
         if named is not None and named != event.step:
             raise CheckpointError(f"{where}: the folder name {name!r} says step {named}, the event says step "
@@ -200,7 +205,8 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
     """Complete checkpoints under `root` as (step, folder), sorted by step (then path).
 
     Looks at the folders directly under `root` (`<root>/checkpoint-1200`) and, for those whose name is not a
-    checkpoint name, one level deeper (`<root>/<run>/checkpoint-1200`). A folder counts when parse_step reads a
+    checkpoint name, one level deeper (`<root>/<run>/checkpoint-1200`). A framework's step folder gives the model
+    it holds (verl's `global_step_N` gives `global_step_N/actor/huggingface`: evaldag.request.layouts). A folder counts when parse_step reads a
     step from its name and it is complete (evaldag.request.rules.check_checkpoint, plus `marker` when given).
     Incomplete ones are skipped and logged at INFO with the reason; hidden folders (`.name`) and entries whose
     real path lies outside `root` (symlinks) are ignored.
@@ -220,7 +226,7 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
                 log.info("skipping %s: it resolves outside %s", child, root)
                 continue
             step = parse_step(child.name)
-            target = parse_step(_real(child).name) if child.is_symlink() else None
+            target = parse_step(step_folder(_real(child)).name) if child.is_symlink() else None
             if step is not None and target is not None and target != step:
                 log.info("skipping %s: its name says step %d, the folder it links to (%s) step %d", child, step,
                          _real(child), target)
@@ -231,9 +237,10 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
                 else:
                     log.debug("skipping %s: no step in its name", child)
                 continue
-            why = _complete(child, marker)
+            model = hf_folder(child)      # verl: global_step_N/actor/huggingface
+            why = _complete(model, marker)
             if why is None:
-                found.append((step, child))
+                found.append((step, model))
             else:
                 log.info("skipping incomplete checkpoint %s: %s", child, why)
 

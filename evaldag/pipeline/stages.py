@@ -782,6 +782,7 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     # pass@k, maj@k, by subject and level, rewards: over the first round, where every problem has n samples alike
     result = {
         **metricsmod.task_metrics(first),
+        **metricsmod.step_metrics(first),
         **sampling_metrics(first, plan.pass_k),
         **reward_metrics(first, plan.benchmark.rewards),
         **metricsmod.system_metrics(pl.concat([_stats_table(p) for p in plans]), graded),

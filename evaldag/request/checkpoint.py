@@ -20,6 +20,7 @@ from evaldag import paths
 from evaldag.engines import default_engine
 from evaldag.engines.dtype import default_dtype
 from evaldag.errors import CheckpointError
+from evaldag.request.layouts import hf_folder, step_folder
 from evaldag.request.rules import check_checkpoint
 
 
@@ -38,7 +39,8 @@ class ResolvedModel:
 
 def validate_checkpoint(folder: Path) -> None:
     """Raise CheckpointError unless `folder` holds config.json, every weight file and a tokenizer
-    (the rule is evaldag.request.rules.check_checkpoint)."""
+    (the rule is evaldag.request.rules.check_checkpoint; a framework's folder without a Hugging Face model is
+    refused with the setting that makes one: evaldag.request.layouts)."""
     check_checkpoint(folder, CheckpointError)
 
 
@@ -141,9 +143,9 @@ def resolve_model(checkpoint: str) -> ResolvedModel:
     if not looks_like_path and not folder.exists():
         raise CheckpointError(f"checkpoint {checkpoint!r} is neither a model alias "
                               f"({', '.join(cfgmod.available('models'))}) nor an existing folder")
-    folder = folder.resolve()
+    folder = hf_folder(folder.resolve()).resolve()      # verl's global_step_N: its actor/huggingface model
     validate_checkpoint(folder)
-    return ResolvedModel(name=folder.name, path=str(folder), fingerprint=fingerprint(folder),
+    return ResolvedModel(name=step_folder(folder).name, path=str(folder), fingerprint=fingerprint(folder),
                          **run_settings(folder_config(folder)))
 
 

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from evaldag.request.layouts import why_not_hf
+
 # A train run names a spool folder and a Prefect resource id, so it admits no path separators and no spaces.
 TRAIN_RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 TRAIN_RUN_RULE = "letters, digits, '.', '_', '-'; at most 128 characters"
@@ -140,8 +142,19 @@ def decide_overrides(decide: Mapping | None) -> dict:
 def check_checkpoint(folder: str | os.PathLike, error: type[Exception] = ValueError) -> Path:
     """`folder` as a Path when it is a complete Hugging Face-format checkpoint (config.json that parses, every
     weight file its index names, or a single weight file, non-empty, and a tokenizer), else `error` naming what is
-    missing."""
+    missing; for a training framework's folder without such a model (verl's shards, a DeepSpeed checkpoint), the
+    setting or conversion that makes one (evaldag.request.layouts.why_not_hf)."""
     folder = Path(folder)
+    try:
+        return _check_hf_folder(folder, error)
+    except error:
+        why = why_not_hf(folder) if folder.is_dir() else None
+        if why is None:
+            raise
+        raise error(why) from None
+
+
+def _check_hf_folder(folder: Path, error: type[Exception]) -> Path:
     if not folder.exists():
         raise error(f"checkpoint folder {folder} does not exist")
     if not folder.is_dir():
