@@ -7,7 +7,8 @@ The comparison itself is math-verify (`parse` + `verify`, gold first). What this
   `signal.alarm`, which raises outside the main thread and cannot interrupt sympy while it is stuck in C code.
 - `grade_many` runs `grade_one` in a pebble process pool with a hard per-item timeout: pebble kills the worker
   process of an item that overruns, which works whatever the worker is doing.
-- `grade_table` applies it to a generations table (`evaldag.storage.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`).
+- `grade_table` applies it to a generations table (`evaldag.storage.schema.GENERATION_SCHEMA` -> `GRADED_SCHEMA`),
+  with each completion's arithmetic steps checked under the same per-item timeout (evaldag.scoring.steps).
 
 math_verify (sympy) and polars are imported lazily, so `import evaldag.scoring.grading` stays cheap for the CLI and for the
 pool's worker processes, which import this module to find `_grade_item`.
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 # Part of every grade cache key: bump the suffix whenever a change here can change any grade
 # (gold normalisation in evaldag.scoring.gold, extraction configs, status rules, math-verify minor version).
-GRADER_VERSION: str = "math-verify-0.9/1"
+GRADER_VERSION: str = "math-verify-0.9/2"    # /2: graded rows carry steps_checked, steps_valid (scoring.steps)
 
 # Statuses, spelled as in evaldag.storage.schema.GRADE_STATUSES (checked by the tests).
 CORRECT, WRONG, UNPARSEABLE, TIMEOUT, TRUNCATED = "correct", "wrong", "unparseable", "timeout", "truncated"
@@ -328,13 +329,15 @@ _strip_thinking = strip_thinking   # grade_table's flag of the same name hides t
 
 def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
                 strip_thinking: bool = False) -> pl.DataFrame:
-    """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s (`GRADED_SCHEMA`).
+    """Grade a generations table (`GENERATION_SCHEMA`): adds pred, status, correct, grade_s,
+    steps_checked, steps_valid (`GRADED_SCHEMA`).
 
     With `strip_thinking`, reasoning in `<think>` blocks is removed before extraction (the stored completion keeps
     it): a number the model mentions while thinking is not its answer.
     """
     import polars as pl
 
+    from evaldag.scoring.steps import check_many
     from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
 
     df = conform(df, GENERATION_SCHEMA)
@@ -345,11 +348,15 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
                      df["gold"].to_list(),
                      df["finish_reason"].fill_null("").to_list()))
     grades = grade_many(items, timeout_s=timeout_s, workers=workers)
+    # the steps of the whole completion, thinking included: that is where a reasoning model computes
+    steps = check_many(df["completion"].fill_null("").to_list(), timeout_s=timeout_s, workers=workers)
     graded = df.with_columns(
         pl.Series("pred", [g.pred for g in grades], dtype=pl.Utf8),
         pl.Series("status", [g.status for g in grades], dtype=pl.Utf8),
         pl.Series("correct", [g.correct for g in grades], dtype=pl.Boolean),
         pl.Series("grade_s", [g.seconds for g in grades], dtype=pl.Float64),
         pl.lit(None, dtype=pl.Int64).alias("answer_group"),   # filled by sampling_metrics.assign_answer_groups
+        pl.Series("steps_checked", [s[0] for s in steps], dtype=pl.Int64),
+        pl.Series("steps_valid", [s[1] for s in steps], dtype=pl.Int64),
     )
     return conform(graded, GRADED_SCHEMA)

@@ -74,6 +74,34 @@ def task_metrics(graded: pl.DataFrame) -> dict[str, float]:
     return metrics
 
 
+def step_metrics(graded: pl.DataFrame) -> dict[str, float]:
+    """Step validity (evaldag.scoring.steps) over the completions with at least one checked step.
+
+    step_validity: the mean over those completions of valid / checked steps (the mean of the `step_validity` reward
+    over them); step_checkable_rate: their share of the completions whose steps were checked (not timed out);
+    step_validity/right_answer and /wrong_answer: step_validity over those with a correct and a wrong final answer;
+    right_answer_invalid_steps_rate: the share of correct completions with a checked step that hold an invalid
+    one (a right answer reached through a wrong step). A figure with no completion to be over is left out.
+    """
+    if "steps_checked" not in graded.columns:
+        return {}
+    rows = graded.filter(pl.col("steps_checked").is_not_null())
+    if rows.height == 0:       # graded before steps were checked, or every check overran
+        return {}
+    stepped = rows.filter(pl.col("steps_checked") > 0).with_columns(
+        ratio=pl.col("steps_valid") / pl.col("steps_checked"),
+        invalid=pl.col("steps_valid") < pl.col("steps_checked"))
+    metrics = {"step_checkable_rate": stepped.height / rows.height}
+    right, wrong = stepped.filter(pl.col("correct")), stepped.filter(pl.col("status") == "wrong")
+    for key, part in (("step_validity", stepped), ("step_validity/right_answer", right),
+                      ("step_validity/wrong_answer", wrong)):
+        if part.height:
+            metrics[key] = float(part["ratio"].mean())
+    if right.height:
+        metrics["right_answer_invalid_steps_rate"] = float(right["invalid"].cast(pl.Float64).mean())
+    return metrics
+
+
 def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str, float]:
     """Throughput, latency, memory and stage wall times.
 

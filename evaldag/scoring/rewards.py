@@ -77,6 +77,14 @@ def length_penalty(max_new_tokens: int, scale: float = 1.0, free_tokens: int = 0
     return -scale * over.clip(0.0, 1.0)
 
 
+@register_reward("step_validity")
+def step_validity(no_steps: float = 0.0) -> pl.Expr:
+    """steps_valid / steps_checked of the completion's arithmetic steps (evaldag.scoring.steps), in [0, 1];
+    `no_steps` for a completion with no checkable step, or whose check overran the grading timeout."""
+    ratio = pl.col("steps_valid").cast(pl.Float64) / pl.col("steps_checked").cast(pl.Float64)
+    return pl.when(pl.col("steps_checked") > 0).then(ratio).otherwise(pl.lit(float(no_steps)))
+
+
 class RewardSpec(BaseModel):
     """One weighted component of a benchmark's reward."""
 

@@ -53,7 +53,13 @@ GRADED_SCHEMA: dict[str, pl.DataType] = {
     "correct": pl.Boolean,
     "grade_s": pl.Float64,       # time spent grading this row
     "answer_group": pl.Int64,    # per problem: samples with mathematically equivalent answers share it (maj@k)
+    # arithmetic steps of the completion checked and found valid (evaldag.scoring.steps); null where the check
+    # overran the grading timeout, or in a file graded before steps were checked
+    "steps_checked": pl.Int64,
+    "steps_valid": pl.Int64,
 }
+# Columns added to a schema after files without them were written: such a file reads them as nulls.
+ADDED_LATER: dict[str, pl.DataType] = {"steps_checked": pl.Int64, "steps_valid": pl.Int64}
 
 # Per-token log-probabilities of each completion under the evaluated model and the reference (KL estimates).
 LOGPROB_SCHEMA: dict[str, pl.DataType] = {
@@ -97,4 +103,8 @@ def read_table(path: str | PathLike, schema: dict[str, pl.DataType], columns: li
                          "re-run the stage that wrote it")
     if columns is not None:
         schema = {c: schema[c] for c in columns}
-    return conform(pl.read_parquet(io.BytesIO(data), columns=list(schema) if columns is not None else None), schema)
+    stored = pl.read_parquet_schema(io.BytesIO(data))
+    older = {c: t for c, t in ADDED_LATER.items() if c in schema and c not in stored}
+    df = pl.read_parquet(io.BytesIO(data),
+                         columns=[c for c in schema if c not in older] if columns is not None else None)
+    return conform(df.with_columns(*[pl.lit(None, dtype=t).alias(c) for c, t in older.items()]), schema)
