@@ -48,7 +48,8 @@ def progress_every_s() -> float:
 
 
 def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
-    """Run eval/<benchmark> with `params`, wait for it, and print metrics and where to look."""
+    """Run eval/<benchmark> with `params` (eval/suite with `benchmarks` in params: one engine load per gpu slot for
+    all of them), wait for it, and print each benchmark's metrics and where to look."""
     point_clients_at_stack(stack)
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
@@ -81,7 +82,14 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
         return
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
-    _print_result(console, benchmark, str(fr.id), _flow_summary(fr, benchmark), time.monotonic() - t0, stack)
+    _report_each(console, fr, benchmark, time.monotonic() - t0, stack)
+
+
+def _report_each(console, fr, benchmark: str, wall_s: float, stack: Stack) -> None:
+    """The result of each benchmark the flow run evaluated: eval/suite's are its `benchmarks` parameter (the
+    deployment's default unless the run named them), any other deployment's is its own."""
+    for each in fr.parameters.get("benchmarks") or [benchmark]:
+        _print_result(console, each, str(fr.id), _flow_summary(fr, each), wall_s, stack)
 
 
 def _flow_summary(fr, benchmark: str) -> dict | None:
