@@ -101,3 +101,15 @@ def test_system_metrics():
     assert m["latency_p95_s"] == pytest.approx(95.05)
     assert m["latency_p99_s"] == pytest.approx(99.01)
     assert not math.isnan(m["model_load_s"])
+    # CPU shards: per GiB of peak RSS; tokens / sum(seconds x GiB) = 4000 / (10 x 900/1024 + 30 x 1100/1024)
+    assert m["generation_tokens_per_s_per_gib"] == pytest.approx(4000 / ((10 * 900 + 30 * 1100) / 1024))
+
+
+def test_throughput_per_gib_reads_accelerator_memory_where_there_is_some():
+    stats = pl.DataFrame({"shard_index": [0], "generation_tokens": [2048.0], "generation_s": [4.0],
+                          "grading_s": [1.0], "grading_samples": [1.0], "scoring_s": [0.0], "model_load_s": [1.0],
+                          "peak_rss_mb": [8192.0], "peak_gpu_mb": [2048.0]})
+    graded = _table([{"sample_id": "a", "status": "wrong"}])
+    assert system_metrics(stats, graded)["generation_tokens_per_s_per_gib"] == pytest.approx(2048 / 4 / 2)
+    idle = stats.with_columns(pl.lit(0.0).alias("generation_s"), pl.lit(0.0).alias("generation_tokens"))
+    assert "generation_tokens_per_s_per_gib" not in system_metrics(idle, graded)      # undefined, not 0

@@ -18,7 +18,8 @@ from evaldag.storage.schema import GRADE_STATUSES
 MEASUREMENT_KEYS = frozenset({
     "generation_tokens", "generation_s", "grading_s", "scoring_s", "model_load_s", "engine_loads",
     "shard_peak_rss_mb", "shard_peak_gpu_mb", "shard_generation_s_max", "generation_tokens_per_s",
-    "grading_samples_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s", "reduce_s", "cache_hit_rate",
+    "generation_tokens_per_s_per_gib", "grading_samples_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s",
+    "reduce_s", "cache_hit_rate",
 })
 
 
@@ -102,8 +103,20 @@ def step_metrics(graded: pl.DataFrame) -> dict[str, float]:
     return metrics
 
 
+def _tokens_per_s_per_gib(shard_stats: pl.DataFrame) -> float | None:
+    """Generated tokens per second per GiB of the shard's peak memory: its peak accelerator memory (torch's
+    max_memory_allocated in the shard's process, which holds vLLM's engine), or on a CPU shard (no accelerator
+    memory) its process's peak RSS. Over several shards: all tokens / the sum of each shard's generation seconds x
+    its GiB, so one shard's figure is its own. None where no shard generated (no seconds or no memory figure)."""
+    gib = pl.when(pl.col("peak_gpu_mb") > 0).then(pl.col("peak_gpu_mb")).otherwise(pl.col("peak_rss_mb")) / 1024
+    row = shard_stats.select(tokens=pl.col("generation_tokens").sum(),
+                             gib_s=(pl.col("generation_s") * gib).sum()).row(0, named=True)
+    return float(row["tokens"]) / row["gib_s"] if row["gib_s"] and row["gib_s"] > 0 else None
+
+
 def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str, float]:
-    """Throughput, latency, memory and stage wall times.
+    """Throughput (generation_tokens_per_s, and per GiB of peak memory: see _tokens_per_s_per_gib), latency, memory
+    and stage wall times.
 
     `shard_stats` has one row per shard (figures written by the stages); latency percentiles are over requests
     (completions) from the graded table, where a request's latency is its own wall time on vLLM and a server, and the
@@ -125,6 +138,9 @@ def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str,
         metrics["engine_loads"] = float(shard_stats["engine_loads"].sum())
     metrics["generation_tokens_per_s"] = (metrics["generation_tokens"] / metrics["generation_s"]
                                           if metrics["generation_s"] > 0 else 0.0)
+    per_gib = _tokens_per_s_per_gib(shard_stats)
+    if per_gib is not None:
+        metrics["generation_tokens_per_s_per_gib"] = per_gib
     metrics["grading_samples_per_s"] = (metrics.pop("grading_samples") / metrics["grading_s"]
                                         if metrics["grading_s"] > 0 else 0.0)
     lat = graded.select(**{f"latency_p{q}_s": pl.col("latency_s").quantile(q / 100, "linear") for q in (50, 95, 99)})
