@@ -29,9 +29,9 @@ def test_shared_env_takes_settings_and_credentials_not_the_heads_paths():
     worker = {"EVALDAG_RESULTS_URL": "s3://b/e", "EVALDAG_HOME": "/head", "EVALDAG_DATA_DIR": "/data"}
     caller = {"AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
               "MLFLOW_TRACKING_TOKEN": "t", "HOME": "/root", "PATH": "/bin"}
+    # the result store's and MLflow's URLs go in ClusterInfo's own fields, not among the variables
     assert cluster.shared_env(worker, caller) == {
-        "EVALDAG_RESULTS_URL": "s3://b/e", "EVALDAG_DATA_DIR": "/data", "AWS_SECRET_ACCESS_KEY": "k",
-        "MLFLOW_TRACKING_TOKEN": "t"}
+        "EVALDAG_DATA_DIR": "/data", "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t"}
 
 
 def test_crash_automation_watches_only_evaldag_runs_after_three_silent_periods():
@@ -95,11 +95,18 @@ def test_a_node_says_what_the_head_answered_for_its_gpu_pool(tmp_path, monkeypat
 def test_a_node_accepts_the_heads_gpu_pool(tmp_path, monkeypatch):
     import httpx
 
-    stack = _node(tmp_path, monkeypatch)
+    stack = _node(tmp_path, monkeypatch, api_auth="evaldag:correct-horse-battery")
+    seen = []
+
+    def head(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, request.headers.get("Authorization")))
+        return httpx.Response(200, json={"name": "gpu"})
+
     real_client = httpx.Client
-    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(
-        transport=httpx.MockTransport(lambda request: httpx.Response(200, json={"name": "gpu"})), **kw))
-    stack._check_head_pools()
+    monkeypatch.setattr(httpx, "Client", lambda **kw: real_client(transport=httpx.MockTransport(head), **kw))
+    assert stack._check_head_pools() is None                   # no StackError: the node goes on to start
+    # it asked the head itself, with the head's auth (base64 of evaldag:correct-horse-battery)
+    assert seen == [("/api/work_pools/gpu", "Basic ZXZhbGRhZzpjb3JyZWN0LWhvcnNlLWJhdHRlcnk=")]
 
 
 def test_node_workers_come_from_the_head_and_the_command_line(tmp_path, monkeypatch):
@@ -119,30 +126,54 @@ def test_node_workers_come_from_the_head_and_the_command_line(tmp_path, monkeypa
     assert stack._urls() == {"prefect": "http://10.0.0.1:4200", "mlflow": "http://10.0.0.1:5000"}
 
 
+# what whoever writes the block (anyone with the Prefect API) might publish: code the workers would load, and
+# endpoints, URIs, files and CAs that would send their requests or secrets elsewhere (issue 38 item 2)
+HOSTILE = {"LD_PRELOAD": "/tmp/evil.so", "LD_LIBRARY_PATH": "/tmp/evil-lib", "PYTHONPATH": "/tmp/evil",
+           "PYTHONSTARTUP": "/tmp/evil.py", "PATH": "/tmp/evil-bin", "EVALDAG_PG_BIN": "/tmp/evil-bin",
+           "EVALDAG_REPO": "/tmp/evil-repo", "EVALDAG_CONFIGS_DIR": "/tmp/evil-configs",
+           "EVALDAG_FAULTS_FILE": "/tmp/evil-faults.json", "AWS_CONFIG_FILE": "/tmp/cfg",
+           "AWS_CONTAINER_CREDENTIALS_FULL_URI": "https://attacker.example/creds",
+           "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE": "/var/run/secrets/token",
+           "AWS_ENDPOINT_URL": "https://attacker.example", "AWS_ENDPOINT_URL_S3": "https://attacker.example/s3",
+           "AWS_CA_BUNDLE": "/tmp/evil-ca.pem", "AWS_PROFILE": "evil",
+           "AZURE_STORAGE_CONNECTION_STRING": "BlobEndpoint=https://attacker.example;SharedAccessSignature=x",
+           "MLFLOW_TRACKING_URI": "https://attacker.example/mlflow", "MLFLOW_TRACKING_INSECURE_TLS": "true",
+           "REQUESTS_CA_BUNDLE": "/tmp/evil-ca.pem", "HF_ENDPOINT": "https://attacker.example/hf"}
+
+
+def test_the_node_allow_list_names_no_endpoint_uri_file_or_ca():
+    assert cluster.accepted_env(HOSTILE) == {}
+    assert cluster.shared_env(HOSTILE, HOSTILE) == {}              # the head publishes none of them either
+    for name in cluster.NODE_ENV_ALLOWED:
+        assert not any(word in name for word in ("ENDPOINT", "URI", "URL", "FILE", "CA_BUNDLE", "PATH", "CONNECTION",
+                                                  "PROFILE", "CONFIG")), name
+
+
 def test_a_node_never_applies_loader_or_interpreter_variables_from_the_head(tmp_path, monkeypatch, caplog):
-    # anyone who can write the block through the Prefect API could otherwise run code in every node's workers
-    hostile = {"LD_PRELOAD": "/tmp/evil.so", "LD_LIBRARY_PATH": "/tmp", "PYTHONPATH": "/tmp/evil",
-               "PYTHONSTARTUP": "/tmp/evil.py", "PATH": "/tmp/evil-bin", "EVALDAG_PG_BIN": "/tmp/evil-bin",
-               "AWS_CONFIG_FILE": "/tmp/cfg", "EVALDAG_REPO": "/tmp/evil-repo"}
+    """The effective environment of a node's worker (the node's own, under what the spec sets) carries no hostile
+    value of the block, not even prepended to a search path the node sets itself."""
+    import os
+
     info = cluster.ClusterInfo(prefect_url="http://10.0.0.1:4200", mlflow_url="http://10.0.0.1:5000",
                                results_url="s3://bucket/evals",
-                               env={**hostile, "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t",
+                               env={**HOSTILE, "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_TOKEN": "t",
                                     "HF_TOKEN": "h", "EVALDAG_DATA_DIR": "/data"})
     stack = _node(tmp_path, monkeypatch)
     monkeypatch.setattr(cluster, "fetch", lambda api, auth=None: info)
+    monkeypatch.setenv("PYTHONPATH", "/node/own")                  # the node's own search path stays as it is
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
     with caplog.at_level("WARNING", logger="evaldag.runtime.cluster"):
-        env = stack._desired_specs("sid")["gpu7-gpu-0"].env
-    assert env.get("LD_PRELOAD") is None and env.get("LD_LIBRARY_PATH") != "/tmp"
-    assert env.get("PYTHONPATH") != "/tmp/evil" and "PYTHONSTARTUP" not in env
-    assert "/tmp/evil-bin" not in env["PATH"] and "EVALDAG_PG_BIN" not in env and "AWS_CONFIG_FILE" not in env
-    assert env["EVALDAG_REPO"] != "/tmp/evil-repo"
+        spec = stack._desired_specs("sid")["gpu7-gpu-0"]
+    env = {**os.environ, **spec.env}                               # what the worker process gets (processes.py)
+    for key, value in HOSTILE.items():
+        assert env.get(key) != value and value not in env.get(key, "").split(os.pathsep), (key, env.get(key))
+        assert spec.key["passthrough"].get(key) != value, key       # the settings the block may add
+    assert env["PYTHONPATH"] == "/node/own" and "LD_PRELOAD" not in env and "LD_LIBRARY_PATH" not in env
+    assert env["MLFLOW_TRACKING_URI"] == "http://10.0.0.1:5000"    # ClusterInfo's, not the env's
     assert (env["AWS_SECRET_ACCESS_KEY"], env["MLFLOW_TRACKING_TOKEN"], env["HF_TOKEN"], env["EVALDAG_DATA_DIR"]) \
         == ("k", "t", "h", "/data")
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert all(k in warned for k in ("LD_PRELOAD", "PYTHONPATH", "PATH")) and "/tmp/evil" not in warned
-    # the head publishes nothing a node would drop
-    assert cluster.shared_env({"EVALDAG_PG_BIN": "/x"}, {"LD_PRELOAD": "x", "PYTHONPATH": "y",
-                                                        "MLFLOW_TRACKING_INSECURE_TLS": "true"}) == {}
+    assert all(k in warned for k in HOSTILE) and "attacker" not in warned and "/tmp/evil" not in warned
 
 
 def test_a_home_is_a_head_or_a_node_never_both(tmp_path, monkeypatch):
@@ -281,6 +312,32 @@ def test_a_head_beyond_loopback_without_auth_refuses_to_start(tmp_path, monkeypa
         StackSettings.from_env(home=tmp_path, host="0.0.0.0", api_auth="evaldag:short")
     StackSettings(home=tmp_path, host="10.0.0.1", api_auth="evaldag:correct-horse-battery").check_exposure()
     StackSettings(home=tmp_path, host="127.0.0.1").check_exposure()      # loopback needs none
+
+
+def test_a_loopback_head_advertised_to_nodes_refuses_to_start_without_auth(tmp_path, monkeypatch):
+    """`--host 127.0.0.1 --advertise-host X` is a head for nodes behind a tunnel or proxy: it publishes the cluster
+    block, so it needs auth as much as one on 0.0.0.0 (before: it started open, and the block's credentials were
+    one POST /api/block_documents/filter away from anyone who reached the tunnel, and from every local user)."""
+    def no_start(*a, **kw):
+        raise AssertionError("a component was started")
+
+    monkeypatch.setattr(Stack, "_spawn", no_start)
+    monkeypatch.setattr(Stack, "_check_port_free", no_start)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        settings = StackSettings(home=tmp_path, host=host, advertise_host="10.0.0.5")
+        assert settings.for_nodes and settings.loopback_only
+        with pytest.raises(StackError, match="advertised to worker nodes as '10.0.0.5'.*without authentication"):
+            Stack(settings).up()
+    assert not (tmp_path / "stack" / "state.json").exists()
+    result = CliRunner().invoke(app, ["up", "--host", "127.0.0.1", "--advertise-host", "10.0.0.5", "--no-deploy"],
+                                env={"EVALDAG_HOME": str(tmp_path), "EVALDAG_API_AUTH": ""})
+    assert result.exit_code == 1 and "--auth USER:PASSWORD" in result.output and "Traceback" not in result.output
+    assert "advertised to worker nodes" in result.output
+    # with auth it starts (and publishes: test_a_stack_without_nodes_publishes_no_credentials); without
+    # nodes it needs none
+    StackSettings(home=tmp_path, host="127.0.0.1", advertise_host="10.0.0.5",
+                  api_auth="evaldag:correct-horse-battery").check_exposure()
+    StackSettings(home=tmp_path, host="127.0.0.1").check_exposure()
 
 
 def test_auth_reaches_both_servers_every_worker_and_the_nodes_but_not_the_block(tmp_path, monkeypatch):

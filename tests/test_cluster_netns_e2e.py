@@ -87,10 +87,11 @@ def cluster(tmp_path_factory):
         assert httpx.get(f"{mlflow}/api/2.0/mlflow/experiments/search?max_results=1", timeout=10).status_code == 401
         assert httpx.post(f"{api}/block_documents/filter", json={}, headers=_BASIC, timeout=10).status_code == 200
 
-        # both nodes join at once, each with a home of its own and nothing but the head's address
+        # both nodes join at once, each with a home of its own and nothing but the head's address; the S3 endpoint
+        # is the node's to give (a block naming an endpoint would send every node's requests where it says)
         joins = [hosts.popen(name, [*EVALDAG, "worker", "--server", f"http://{head_ip}:{prefect_port}", "--auth", AUTH,
-                                    "--name",
-                                    name, "--gpus", "1", "--env", "EVALDAG_TORCH_THREADS=1"],
+                                    "--name", name, "--gpus", "1", "--env", "EVALDAG_TORCH_THREADS=1",
+                                    "--env", f"AWS_ENDPOINT_URL={s3_url}"],
                              env=_env(EVALDAG_HOME=str(homes[name])), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
                  for name in NODES]

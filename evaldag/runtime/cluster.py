@@ -40,19 +40,27 @@ MIN_HEARTBEAT_S = 30  # Prefect's minimum for PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 MISSED_HEARTBEATS = 3  # a run is lost after this many heartbeat periods of silence (StackSettings.missed_heartbeats)
 MIN_MISSED_HEARTBEATS = 2  # with 1, a single late heartbeat would crash a live run
 
-# The only variables a node takes from the head's block, and so the only ones the head publishes: the workers'
-# EVALDAG_* data and result settings, and the result store's, MLflow's and the model hub's settings and
-# credentials. Whoever can write the block (anyone with access to the Prefect API) must not be able to change what
-# code a node's workers load or run: LD_* (LD_PRELOAD), PYTHON* (PYTHONPATH, PYTHONSTARTUP), PATH and everything
-# else not listed here is dropped on the node, with a warning that names it.
-NODE_ENV_ALLOWED_PREFIXES = ("EVALDAG_", "AWS_", "AZURE_STORAGE_")
-NODE_ENV_ALLOWED = frozenset({"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
-                              "MLFLOW_TRACKING_TOKEN", "HF_TOKEN", "GOOGLE_CLOUD_PROJECT"})
-# Never taken from the head even though a prefix above matches: the head's own paths and stack settings (a node has
-# its own), and AWS files (a path on the head means nothing on a node, and a config file can name a
-# `credential_process` command to run)
-_NODE_LOCAL = frozenset({"EVALDAG_HOME", "EVALDAG_REPO", "EVALDAG_TORCH_THREADS", "EVALDAG_STACK_ID",
-                         "EVALDAG_PG_BIN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"})
+# The only variables a node takes from the head's block, and so the only ones the head publishes, by exact name: the
+# workers' EVALDAG_* tuning and data folders, and the result store's, MLflow's and the model hub's credentials.
+# Whoever can write the block (anyone with access to the Prefect API) must neither change what code a node's workers
+# load or run (LD_PRELOAD, PYTHONPATH, PATH, a configs folder whose model configs turn on trust_remote_code) nor
+# where their requests and secrets go: no variable that names an endpoint or URI (AWS_ENDPOINT_URL_S3,
+# AWS_CONTAINER_CREDENTIALS_FULL_URI, a connection string's BlobEndpoint, MLFLOW_TRACKING_URI: ClusterInfo carries
+# the MLflow and result store URLs), a file to read (AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE, AWS_CONFIG_FILE,
+# EVALDAG_FAULTS_FILE) or a CA (AWS_CA_BUNDLE). Everything else is dropped on the node with a warning naming it; a
+# node that needs one (a MinIO endpoint) gets it on its own command line, `evaldag worker --env KEY=VALUE`.
+NODE_ENV_ALLOWED = frozenset({
+    # the workers' settings; folders are read as data and must be the same path on every host
+    "EVALDAG_DATA_DIR", "EVALDAG_MODELS_DIR", "EVALDAG_CHECKPOINT_ROOTS", "EVALDAG_CHECKPOINT_MARKER",
+    "EVALDAG_DEFAULT_ENGINE", "EVALDAG_DEFAULT_DTYPE", "EVALDAG_CHUNK_S", "EVALDAG_CHUNK_REQUESTS",
+    "EVALDAG_PROGRESS_EVERY_S", "EVALDAG_DECIDE_POLL_S", "EVALDAG_DECIDE_IN_FLIGHT", "EVALDAG_TRACK_LEASE_S",
+    "EVALDAG_VERDICT_MARGIN", "EVALDAG_VERDICT_ALPHA", "EVALDAG_MAX_CLOCK_SKEW_S",
+    # credentials (and the region, which only picks among AWS's own endpoints)
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
+    "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_STORAGE_CLIENT_ID", "AZURE_STORAGE_CLIENT_SECRET", "AZURE_STORAGE_TENANT_ID",
+    "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "HF_TOKEN",
+    "GOOGLE_CLOUD_PROJECT"})
 _LOOPBACK = {"0.0.0.0", "::", "", "127.0.0.1", "localhost", "::1"}
 
 
@@ -71,9 +79,8 @@ class ClusterInfo(BaseModel):
 
 
 def allowed_from_head(key: str) -> bool:
-    """Whether a node takes variable `key` from the head (NODE_ENV_ALLOWED, NODE_ENV_ALLOWED_PREFIXES, less
-    the head's own settings)."""
-    return (key in NODE_ENV_ALLOWED or key.startswith(NODE_ENV_ALLOWED_PREFIXES)) and key not in _NODE_LOCAL
+    """Whether a node takes variable `key` from the head: it is one of NODE_ENV_ALLOWED, by exact name."""
+    return key in NODE_ENV_ALLOWED
 
 
 def accepted_env(head_env: Mapping[str, str]) -> dict[str, str]:
@@ -82,18 +89,18 @@ def accepted_env(head_env: Mapping[str, str]) -> dict[str, str]:
     dropped = sorted(k for k in head_env if not allowed_from_head(k))
     if dropped:
         log.warning("ignoring variables the head published that a node never takes from it: %s (a node takes "
-                    "only EVALDAG_* settings and result store, MLflow and hub credentials; give anything else "
-                    "with `evaldag worker --env KEY=VALUE`)", ", ".join(dropped))
+                    "only the settings and credentials evaldag.runtime.cluster.NODE_ENV_ALLOWED names, never an "
+                    "endpoint, URI, file or CA; give anything else with `evaldag worker --env KEY=VALUE`)",
+                    ", ".join(dropped))
     return {k: v for k, v in head_env.items() if allowed_from_head(k)}
 
 
 def shared_env(worker_env: Mapping[str, str], caller_env: Mapping[str, str]) -> dict[str, str]:
-    """The part of the head's worker environment that nodes get: EVALDAG_* settings (minus the head's own paths)
-    and the credential variables nodes accept (`allowed_from_head`) from the caller's environment; the MLflow
-    URL is published apart (ClusterInfo.mlflow_url)."""
+    """The part of the head's worker environment that nodes get: the EVALDAG_* settings and, from the caller's
+    environment, the credentials that nodes accept (`allowed_from_head`); the MLflow and result store URLs are
+    published apart (ClusterInfo)."""
     env = {k: v for k, v in worker_env.items() if k.startswith("EVALDAG_") and allowed_from_head(k)}
-    env.update({k: v for k, v in caller_env.items()
-                if allowed_from_head(k) and not k.startswith("EVALDAG_") and k != "MLFLOW_TRACKING_URI"})
+    env.update({k: v for k, v in caller_env.items() if allowed_from_head(k) and not k.startswith("EVALDAG_")})
     return env
 
 
@@ -260,6 +267,6 @@ def _canonical(value):
 
 
 __all__ = ["CLUSTER_BLOCK", "CRASH_AUTOMATION", "ClusterInfo", "MIN_HEARTBEAT_S", "MIN_MISSED_HEARTBEATS", "MISSED_HEARTBEATS",
-           "NODE_ENV_ALLOWED", "NODE_ENV_ALLOWED_PREFIXES", "WATCHED_TAG", "accepted_env", "allowed_from_head",
+           "NODE_ENV_ALLOWED", "WATCHED_TAG", "accepted_env", "allowed_from_head",
            "crash_automation", "ensure_crash_automation", "fetch", "public_host", "publish",
            "reachable", "server_url", "shared_env", "unpublish"]

@@ -107,8 +107,8 @@ class StackSettings(BaseModel):
                                        "over the head's (`evaldag worker --env K=V`, --mlflow-url, --results-url).")
     api_auth: str | None = Field(
         None, repr=False, description="USER:PASSWORD both servers of a head require (`--auth`, EVALDAG_API_AUTH): "
-        "Prefect's PREFECT_SERVER_API_AUTH_STRING, MLflow's basic-auth admin. Required on a head that listens "
-        "beyond loopback; a worker node gives the head's.")
+        "Prefect's PREFECT_SERVER_API_AUTH_STRING, MLflow's basic-auth admin. Required on a head started for "
+        "nodes (listening beyond loopback, or with advertise_host); a worker node gives the head's.")
 
     @model_validator(mode="before")
     @classmethod
@@ -230,15 +230,21 @@ class StackSettings(BaseModel):
         return not self.loopback_only or bool(self.advertise_host)
 
     def check_exposure(self) -> None:
-        """Refuse a head whose servers other hosts reach but that has no API auth: the Prefect API would hand the
-        cluster block's credentials to anyone and let anyone create a deployment whose pull step runs commands on
-        the workers; MLflow would be open to anyone too. Runs before anything starts."""
-        if self.server is None and not self.loopback_only and not self.api_auth:
-            raise StackError(
-                f"the Prefect and MLflow servers would listen on {self.host!r}, reachable from other hosts, without "
-                "authentication: anyone who reaches them could read the result store's credentials and run commands "
-                "on the workers. Give both servers a password with `evaldag up --auth USER:PASSWORD` (or "
-                "EVALDAG_API_AUTH) and the same to each node's `evaldag worker --auth`, or listen on 127.0.0.1")
+        """Refuse a head started for worker nodes (`for_nodes`: it listens beyond loopback, or advertises an address
+        a proxy or tunnel forwards) that has no API auth: it publishes the cluster block, which the Prefect API hands
+        with its credentials to whoever asks, and anyone who reaches the API could create a deployment whose pull
+        step runs commands on the workers; MLflow would be open too. Behind a tunnel to a loopback head, whoever
+        reaches the tunnel (and every local user) is such a client. Runs before anything starts."""
+        if self.server is not None or not self.for_nodes or self.api_auth:
+            return
+        where = (f"would listen on {self.host!r}, reachable from other hosts," if not self.loopback_only else
+                 f"listen on {self.host!r} but are advertised to worker nodes as {self.advertise_host!r} (a proxy or "
+                 "tunnel forwards to them), so they publish the cluster block,")
+        raise StackError(
+            f"the Prefect and MLflow servers {where} without authentication: anyone who reaches them could read the "
+            "result store's, MLflow's and the hub's credentials and run commands on the workers. Give both servers "
+            "a password with `evaldag up --auth USER:PASSWORD` (or EVALDAG_API_AUTH) and the same to each node's "
+            "`evaldag worker --auth`, or, for a stack without nodes, listen on 127.0.0.1 without --advertise-host")
 
     @property
     def local_host(self) -> str:
