@@ -82,6 +82,19 @@ def test_better_needs_the_exact_test_too():
     assert verdicts.verdict_from_interval(0.01, 0.08, 0.02, p_value=0.2, alpha=0.05) == "undecided"
 
 
+def test_worse_needs_the_exact_test_too():
+    """Ten problems, five lost by one sample in four, five tied: Student's t interval lies below 0, but the exact
+    sign-flip p-value is 2 / 2^5 (only the all-negative and all-positive flips of the five reach |sum|) >= 0.05."""
+    d = np.r_[np.full(5, -0.25), np.zeros(5)]
+    # by hand: mean -0.125, sd sqrt(10 x 0.125^2 / 9), upper bound -0.125 + t(0.975, 9) x sd / sqrt(10) < 0
+    upper = -0.125 + stats.t.ppf(0.975, 9) * math.sqrt(10 * 0.125 ** 2 / 9) / math.sqrt(10)
+    v = verdicts.paired_test(d, margin=0.02, alpha=0.05, grid=4)
+    assert v.ci_high == pytest.approx(upper) and upper < 0
+    assert v.p_value == pytest.approx(2 / 2 ** 5)
+    assert v.verdict == "undecided"
+    assert verdicts.verdict_from_interval(-0.08, -0.01, 0.02, p_value=0.2, alpha=0.05) == "undecided"
+
+
 def test_degenerate_inputs():
     assert verdicts.paired_test([]).verdict == "undecided"
     v = verdicts.paired_test(np.zeros(5), grid=1)
@@ -301,11 +314,3 @@ def test_verdict_settings_default_and_validate():
     for bad in ({verdicts.MARGIN_ENV: "two points"}, {verdicts.ALPHA_ENV: "0"}, {verdicts.MARGIN_ENV: "-0.1"}):
         with pytest.raises(ValueError, match="EVALDAG_VERDICT"):
             verdicts.verdict_settings(bad)
-
-
-def test_references_pick_the_previous_and_the_first_best():
-    earlier = [{"run_id": "a", "step": 1, "accuracy": 0.4}, {"run_id": "b", "step": 2, "accuracy": 0.7},
-               {"run_id": "c", "step": 3, "accuracy": 0.7}, {"run_id": "d", "step": 4, "accuracy": 0.5}]
-    refs = verdicts.references(earlier)
-    assert (refs["previous"]["run_id"], refs["best"]["run_id"]) == ("d", "b")
-    assert verdicts.references([]) == {}

@@ -13,8 +13,8 @@ from evaldag.tracking.names import experiment_name
 
 def best_so_far(plan: EvalPlan) -> tuple[pl.DataFrame, str] | None:
     """(per-problem scores: sample_id, n, score; its label JOB@STEP) of the job's best evaluation at an earlier step
-    with the same comparison key (evaldag.decisions.verdicts.references), or None when the job has none yet."""
-    from evaldag.decisions import verdicts
+    with the same comparison key (evaldag.decisions.best.references), or None when the job has none yet."""
+    from evaldag.decisions import best as job_best, verdicts
 
     client = tracking_client.mlflow_client()
     experiment = client.get_experiment_by_name(experiment_name(plan.benchmark.name))
@@ -22,7 +22,7 @@ def best_so_far(plan: EvalPlan) -> tuple[pl.DataFrame, str] | None:
         return None
     earlier = verdicts.earlier_evaluations(client, experiment.experiment_id, plan.train_run, comparison_key(plan),
                                            plan.request.step)
-    best = verdicts.references(earlier).get("best")
+    best = job_best.references(earlier).get("best")
     if best is None:
         return None
     return verdicts.per_problem_scores(verdicts.download_samples(client, best["run_id"])), best["label"]
