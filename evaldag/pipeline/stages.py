@@ -802,6 +802,11 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
 
         logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
         result.update(kl_metrics(logprobs, sampling=plan.sampling))
+    if plan.benchmark.metrics:    # a team's own statistics (evaldag.scoring.plugins), over the first round too
+        from evaldag.scoring.plugins import plugin_metrics
+
+        taken = {*result, "reduce_s", "shard_disagreement_p"}
+        result.update(plugin_metrics(first, plan.benchmark.metrics, taken=taken))
     diagnostic = shard_disagreement(first, num_shards=plan.num_shards) if plan.num_shards > 1 else None
     if diagnostic is not None:
         result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))

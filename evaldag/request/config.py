@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from evaldag import paths
 from evaldag.errors import ConfigError
@@ -83,6 +83,21 @@ class BenchmarkConfig(_Strict):
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="correctness")],
                                       description="reward components, summed with their weights")
     pass_k: list[int] | None = Field(None, description="ks for pass@k/maj@k; default 1, 2, 4, ... up to n")
+    metrics: list[str] = Field(default_factory=list,
+                               description="metric plug-ins run on the graded table at reduce: entry point names of "
+                                           "group evaldag.metrics, or 'package.module:function' "
+                                           "(evaldag.scoring.plugins)")
+
+    @field_validator("metrics")
+    @classmethod
+    def _metric_plugins_load(cls, names: list[str]) -> list[str]:
+        from evaldag.scoring.plugins import check_metric
+
+        if len(set(names)) < len(names):
+            raise ValueError(f"metrics names a plug-in more than once: {names}")
+        for name in names:      # here, so that a bad plug-in fails before anything is generated
+            check_metric(name)
+        return names
 
     @model_validator(mode="after")
     def _instruction_has_problem(self) -> "BenchmarkConfig":

@@ -387,8 +387,9 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     # answer groups for maj@k are made over all shards of a split problem at the reduce (before, per shard: wrong)
     regrouped = {} if runs is None else {"answer_groups": "across-shards"}
     adaptive_key = {} if adaptive is None else {"adaptive": adaptive.model_dump()}
+    plugin_metrics = {"metrics": bench.metrics} if bench.metrics else {}    # metric plug-ins' figures are results
     eval_key = compute_eval_key({
-        **decide, **regrouped, **adaptive_key,    # absent when not asked for: older keys stay valid
+        **decide, **regrouped, **adaptive_key, **plugin_metrics,    # absent when not asked for: older keys stay valid
         "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
         "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
     })

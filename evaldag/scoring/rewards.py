@@ -3,7 +3,9 @@
 A reward is a factory registered with `@register_reward("name")`: called with its params (from the config), it
 returns a `pl.Expr` giving one float per sample. Expressions rather than per-row Python functions, because a
 million-row table is then scored in one vectorised pass. The registry is this module's dict, filled only by the
-decorators below: no entry points, no imports elsewhere that register things as a side effect.
+decorators below: no imports elsewhere that register things as a side effect. A team's own rewards come as
+plug-ins (evaldag.scoring.plugins): a config names an entry point of group `evaldag.rewards`, or
+`package.module:function`, looked up when the config is validated; a built-in name wins over an entry point's.
 
 A benchmark config lists components, e.g.
     [{"name": "correctness", "weight": 1.0},
@@ -45,11 +47,28 @@ def reward_names() -> list[str]:
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward factory registered as `name`; ValueError listing the known names otherwise."""
-    try:
+    """The reward factory registered as `name`, else the plug-in it names (an entry point of group
+    `evaldag.rewards`, or `package.module:function`); ValueError listing the known names otherwise."""
+    from evaldag.scoring import plugins
+
+    if name in _REWARDS:
         return _REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; known rewards: {reward_names()}") from None
+    if plugins.is_reference(name) or name in plugins.installed(plugins.REWARDS_GROUP):
+        return plugins.load(name, plugins.REWARDS_GROUP)
+    raise ValueError(f"unknown reward {name!r}; known rewards: {reward_names()}, reward plug-ins installed: "
+                     f"{plugins.installed(plugins.REWARDS_GROUP)} (or name one as 'package.module:function')")
+
+
+def _probe_table() -> pl.DataFrame:
+    """One plausible graded row, to try a reward's expression on when its config is read."""
+    from evaldag.storage.schema import GRADED_SCHEMA
+
+    row = {"sample_id": "probe", "prompt": "What is 2 + 2?", "gold": "4", "gold_raw": "4", "subject": None,
+           "level": None, "sample_index": 0, "shard_index": 0, "completion": "2 + 2 = 4, so \\boxed{4}",
+           "completion_ids": [1, 2, 3], "prompt_tokens": 8, "completion_tokens": 3, "finish_reason": "stop",
+           "latency_s": 0.1, "batch_size": 1, "pred": "4", "status": "correct", "correct": True, "grade_s": 0.01,
+           "answer_group": 0, "steps_checked": 1, "steps_valid": 1}
+    return pl.DataFrame([row], schema=GRADED_SCHEMA)
 
 
 @register_reward("correctness")
@@ -102,8 +121,13 @@ class RewardSpec(BaseModel):
 
     @model_validator(mode="after")
     def _params_fit(self) -> RewardSpec:
-        # Build the expression once here, so a misspelt or missing param fails at config load, not at reduce.
-        self.expr()
+        # Build the expression and try it on one row here, so a misspelt or missing param, or a plug-in that reads
+        # a column the table lacks, fails at config load (before generation), not at reduce.
+        expr = self.expr()
+        if not isinstance(expr, pl.Expr):
+            raise ValueError(f"reward {self.name!r} returned a {type(expr).__name__}; a reward factory returns a "
+                             "polars expression (pl.Expr) giving one float per row of the graded table")
+        _evaluate(self.name, _probe_table(), [expr])
         return self
 
     def expr(self) -> pl.Expr:
@@ -119,6 +143,14 @@ class RewardSpec(BaseModel):
             raise ValueError(f"reward {self.name!r}: bad params {self.params}: {error}; "
                              f"expected {self.name}{sig}") from None
         return fn(**self.params)
+
+
+def _evaluate(name: str, table: pl.DataFrame, exprs: list[pl.Expr]) -> pl.DataFrame:
+    try:
+        return table.select(exprs)
+    except Exception as error:     # polars' own errors (a missing column, a wrong type) and a plug-in's
+        raise ValueError(f"reward {name!r} failed on the graded table ({table.height} rows): "
+                         f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from error
 
 
 def _specs(spec: list[RewardSpec | dict]) -> list[RewardSpec]:
@@ -146,7 +178,12 @@ def reward_metrics(graded: pl.DataFrame, spec: list[RewardSpec | dict]) -> dict[
     if graded.height == 0:
         raise ValueError("no graded samples to compute rewards on")
     specs = _specs(spec)
-    scored = graded.select(combined_reward(specs), *[s.expr().alias(s.name) for s in specs])
+    try:
+        scored = graded.select(combined_reward(specs), *[s.expr().alias(s.name) for s in specs])
+    except Exception:
+        for s in specs:    # say which component failed (a plug-in's, most likely)
+            _evaluate(s.name, graded, [s.expr()])
+        raise
     reward = pl.col("reward")
     row = scored.select(
         **{"reward/mean": reward.mean(), "reward/std": reward.std(),
