@@ -35,6 +35,9 @@ _ARITH_WORDS = frozenset({"of", "times", "plus", "minus", "divided", "multiplied
 # Characters that may touch a side without a space and still end it (a quote, a bracket, punctuation).
 _CLEAN_BEFORE = set("\"'[")
 _CLEAN_AFTER = set(",;:!?\"']}")
+_WORD_BEFORE = re.compile(r"([^\W\d]+)[ \t]*$")
+_WORD_AFTER = re.compile(r"\s*(\w+)")
+_MIXED_AFTER = re.compile(r"\s*and\s+(\d+)\s*/\s*(\d+)(?!\s*[-+*/^=])")
 # 2 ** this many bits: the largest power evaluated exactly (larger ones are not checkable).
 _MAX_POWER_BITS = 100_000
 
@@ -148,7 +151,7 @@ def _left_side(text: str, eq: int) -> str | None:
     before = text[start - 1] if start > 0 else "\n"
     if before not in "\n=" and not span[:1].isspace() and before not in _CLEAN_BEFORE:
         return None        # glued to a word or symbol: `f(2) = 5`, `3:30 = 3.5`
-    word = re.search(r"([^\W\d]+)[ \t]*$", text[:start])
+    word = _WORD_BEFORE.search(text[max(0, start - 40):start])     # a window: the whole prefix is quadratic
     if word and re.fullmatch(r"[\d.]+", side):
         return None        # a label, not a result: `Week 2 = 35 + 35`
     return None if word and word.group(1).lower() in _ARITH_WORDS else side
@@ -166,10 +169,10 @@ def _right_side(text: str, eq: int) -> tuple[str | None, int]:
     after = text[end] if end < len(text) else "\n"
     if after not in "\n=" and not span[-1:].isspace() and after not in _CLEAN_AFTER:
         return None, end   # glued to a word: `= 5x`
-    mixed = re.match(r"\s*and\s+(\d+)\s*/\s*(\d+)(?!\s*[-+*/^=])", text[end:])
+    mixed = _MIXED_AFTER.match(text, end)
     if mixed and int(mixed.group(1)) < int(mixed.group(2)):
         return None, end   # a mixed number: `4 / 3 = 1 and 1/3`
-    word = re.match(r"\s*(\w+)", text[end:])
+    word = _WORD_AFTER.match(text, end)
     return (None if word and word.group(1).lower() in _ARITH_WORDS else side), end
 
 
