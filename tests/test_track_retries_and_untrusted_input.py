@@ -121,11 +121,12 @@ def test_sweeper_train_run_of_a_folder_name_is_a_valid_train_run(tmp_path):
     """The CLI sanitises a run folder's name into a train_run (plan._default_train_run); the sweeper passes it raw,
     so every checkpoint under '/ckpts/run 42/' fails EvalRequest validation and is never evaluated."""
     from evaldag.events.identity import train_run_of
-    from evaldag.request.rules import check_train_run
+    from evaldag.request.rules import check_train_run, train_run_name
 
     root = tmp_path / "ckpts"
     ckpt = complete_checkpoint(root / "run 42" / "checkpoint-100")
-    check_train_run(train_run_of(ckpt, root))
+    name = train_run_of(ckpt, root)
+    assert check_train_run(name) == name == train_run_name("run 42") != "run 42"   # valid, and the CLI's name
 
 
 def test_explicit_roots_under_a_symlinked_allowed_root_are_accepted_and_escapes_are_not(tmp_path, monkeypatch):
@@ -176,6 +177,36 @@ def test_a_parent_run_of_another_job_or_an_evaluation_is_not_written(sqlite_mlfl
         used = MlflowClient().get_run(run.run_id).data.tags["evaldag.parent_run_id"]
         assert used not in (other_run.run_id, other_parent)
         assert MlflowClient().get_run(used).data.tags["train_run"] == "my-job"
+
+
+def test_a_trainer_made_parent_run_is_written_by_its_own_job_only(sqlite_mlflow, configs, tmp_path):
+    """A parent run the trainer made (no `train_run` tag, like a Trainer's own MLflow run) is claimed by the first job
+    whose event names it; another job's event that names it then logs into that job's own parent run. Before, any
+    untagged run was taken, so job B's curve landed in job A's run (issue 38 item 3)."""
+    from mlflow import MlflowClient
+    from evaldag.tracking.write import track
+
+    client = MlflowClient()
+    exp = client.create_experiment("trainer-a")
+    trainer_run = client.create_run(exp, run_name="trainer-a").info.run_id
+
+    def track_naming(parent: str, job: str, step: int) -> str:
+        plan = _plan(tmp_path / job, step, job)
+        plan = plan.model_copy(update={"request": plan.request.model_copy(update={"mlflow_parent_run_id": parent})})
+        run = track(plan, _metrics(), flow_run_id=f"fr-{job}-{step}")
+        return client.get_run(run.run_id).data.tags["evaldag.parent_run_id"]
+
+    assert track_naming(trainer_run, "job-a", 100) == trainer_run          # the trainer's own run gets the curve
+    assert client.get_run(trainer_run).data.tags["train_run"] == "job-a"    # ... and is job-a's from now on
+    used = track_naming(trainer_run, "job-b", 200)
+    assert used != trainer_run and client.get_run(used).data.tags["train_run"] == "job-b"
+    assert track_naming(trainer_run, "job-a", 300) == trainer_run          # job-a's later checkpoints still do
+    [key] = [k for k in client.get_run(trainer_run).data.metrics if k.endswith("/accuracy")]
+    assert [m.step for m in client.get_metric_history(trainer_run, key)] == [100, 300]
+    # a trainer that tags its run with its job from the start binds it before any evaluation
+    tagged = client.create_run(exp, run_name="trainer-c", tags={"train_run": "job-c"}).info.run_id
+    assert track_naming(tagged, "job-b", 400) != tagged
+    assert track_naming(tagged, "job-c", 400) == tagged
 
 
 def test_sync_logs_the_others_when_one_evaluation_cannot_be_logged(sqlite_mlflow, configs, tmp_path):

@@ -85,7 +85,8 @@ def ensure_experiment(client, name: str) -> str:
 
 
 def parent_run(client, train_run: str, requested: str | None = None) -> str:
-    """The training job's parent run (get-or-create; a run id the trainer created itself wins).
+    """The training job's parent run (get-or-create; a run id the trainer created itself wins when it belongs to
+    this job or to none yet, `_usable_parent`).
 
     Claimed atomically (evaldag.tracking.run_claims): evaluations of one job finishing at once on different hosts agree on
     one parent. A parent logged before claims existed (the oldest one) is claimed as it is."""
@@ -109,24 +110,40 @@ def parent_run(client, train_run: str, requested: str | None = None) -> str:
 
 def _usable_parent(client, run_id: str, train_run: str) -> bool:
     """Whether the parent run an event or a request names (untrusted input) may get this job's curve: it exists, is
-    not an evaluation's run, and is not another job's parent. Otherwise the job's own parent run is used, with a
-    warning: a wrong id must neither strand the evaluation (every retry failing the same way) nor write into
-    somebody else's run."""
-    try:
+    not an evaluation's run, and belongs to this job. A run belongs to the job its `train_run` tag names: evaldag
+    tags the parent runs it makes, and a run without the tag (one the trainer made, e.g. its Trainer's own MLflow
+    run) is claimed for this job by tagging it on first use, so that no other job's event can write into it after.
+    Otherwise the job's own parent run is used, with a warning: a wrong id must neither strand the evaluation (every
+    retry failing the same way) nor write into somebody else's run."""
+    tags = _run_tags_or_none(client, run_id)
+    if tags is None:
+        return False
+    # evaldag's own runs say what they are; of those only a job's parent run is one (an evaluation's run, or a
+    # candidate that may yet be deleted, is not)
+    kind = tags.get("kind")
+    if kind in (None, "train_job") and tags.get("train_run") is None:
+        client.set_tag(run_id, "train_run", train_run)
+        # two jobs naming one untagged run at once: the tag read back after both wrote says whose it is
         tags = client.get_run(run_id).data.tags
+    if kind not in (None, "train_job") or tags.get("train_run") != train_run:
+        log.warning("mlflow_parent_run_id %s is %s, not this job's (%s) parent run; the job's own parent run gets "
+                    "the curve", run_id, f"evaldag's {kind} run" if kind not in (None, "train_job")
+                    else f"job {tags.get('train_run')!r}'s run", train_run)
+        return False
+    return True
+
+
+def _run_tags_or_none(client, run_id: str) -> dict[str, str] | None:
+    """The tags of run `run_id`, None (with a warning) when there is no such run; any other failure (the server
+    down) raises, for the track task to retry: only "no such run" is the request's fault."""
+    try:
+        return client.get_run(run_id).data.tags
     except Exception as e:
-        # only "no such run" is the request's fault; any other failure (the server down) is the track's to retry
         if getattr(e, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
             raise
         log.warning("mlflow_parent_run_id %s: no such run (%s); the job's own parent run gets the curve", run_id,
                     str(e)[:200])
-        return False
-    if tags.get("kind") == "ckpt_eval" or tags.get("train_run", train_run) != train_run:
-        log.warning("mlflow_parent_run_id %s is %s, not this job's (%s) run; the job's own parent run gets the "
-                    "curve", run_id, "an evaluation's run" if tags.get("kind") == "ckpt_eval"
-                    else f"job {tags.get('train_run')!r}'s run", train_run)
-        return False
-    return True
+        return None
 
 
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s: float | None = None,
