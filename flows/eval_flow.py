@@ -30,7 +30,7 @@ from evaldag.tracking.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
 from tasks.decide import decide_while_generating, deciders_for, publish
 from tasks.gpu_slots import pool_num_gpus
-from tasks.launch_shard import launch_shard
+from tasks.launch_shard import KeepingCancel, launch_shard
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
 from tasks.second_round import second_round_task
@@ -77,7 +77,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
-    with watch_for_false_crash(flow_run.id, revive):
+    # a cancel through the API ends the shards: the run then ends Cancelled as asked, not Failed (KeepingCancel)
+    with watch_for_false_crash(flow_run.id, revive), KeepingCancel(flow_run.id) as cancel:
         names = list(dict.fromkeys(benchmarks)) if benchmarks else [benchmark]
         requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,
                                       num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
@@ -115,6 +116,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                                             deciders.get(path))
                      for path, plan in zip(plan_paths, plans)}
         return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
+    return cancel.state
 
 
 def _generate(running: list[tuple[str, EvalPlan]], names: list[str], dispatch: str, deciders: dict[str, Decider],

@@ -1,6 +1,7 @@
 """launch-shard, a task of the parent flow: start one shard as a flow run of eval-shard/gpu on the `gpu` work
 pool, wait for it, and launch it again when it crashed or failed (a lost node, kill -9), unless its checkpoint is
-gone or was rewritten since planning, which fails the same way every time."""
+gone or was rewritten since planning, which fails the same way every time, or its parent (the evaluation) has ended
+or is being cancelled: a shard of a cancelled evaluation is never started again."""
 
 from __future__ import annotations
 
@@ -21,12 +22,44 @@ from evaldag.pipeline.progress import ROUND_TAG, round_label
 from evaldag.pipeline.stages import record_reused, shard_done
 
 
+class ParentEnded(RuntimeError):
+    """The evaluation (the parent flow run) a shard belongs to is final or being cancelled: nobody waits for the
+    shard any more, so it is not launched (again)."""
+
+
+class KeepingCancel:
+    """Around a parent flow's body: a ParentEnded from its shards while the flow run is Cancelled (or Cancelling)
+    is suppressed, and `state` is then a Cancelled state with the canceller's message, for the flow to return (its
+    final state). Raised on, the engine would end the run Failed over the person's cancel: a cancel through the API
+    (Cancelled at once) leaves the flow's process running until its shards end."""
+
+    def __init__(self, flow_run_id: str | None) -> None:
+        self.flow_run_id = flow_run_id
+        self.state = None
+
+    def __enter__(self) -> "KeepingCancel":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None or not issubclass(kind, ParentEnded) or self.flow_run_id is None:
+            return False
+        from prefect.states import Cancelled
+
+        with get_client(sync_client=True) as client:
+            own = client.read_flow_run(self.flow_run_id).state
+        if own is None or not (own.is_cancelled() or own.is_cancelling()):
+            return False
+        self.state = Cancelled(message=own.message or str(exc))
+        return True
+
+
 def _relaunchable(task, task_run, state) -> bool:
     """retry_condition_fn of launch-shard: a shard whose checkpoint is gone or was rewritten since planning fails
-    the same way every time (_run_shard raises CheckpointError for it); every other failure is launched again."""
+    the same way every time (_run_shard raises CheckpointError for it), and one whose parent has ended or is being
+    cancelled must not start again (ParentEnded); every other failure is launched again."""
     try:
         state.result()
-    except CheckpointError:
+    except (CheckpointError, ParentEnded):
         return False
     except Exception:
         return True
@@ -72,6 +105,8 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
     names = "+".join(round_label(plan.benchmark.name, plan.round).replace("/", "-") for _, plan in todo)
     width = max(plan.num_shards for _, plan in todo)
     rounds = {plan.round for _, plan in todo}      # the plans of one launch are one round's (eval_flow._generate)
+    with get_client(sync_client=True) as client:
+        _check_parent(client, parent_run_id, shard_index)
     fr = run_deployment(
         SHARD_DEPLOYMENT,
         parameters={"plan_path": [path for path, _ in todo], "shard_index": shard_index},
@@ -89,6 +124,10 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
         if is_lost_run_crash(fr.state):
             # the same window may have crashed this parent too: its retry can start no task until it is revived
             settled(lambda: client.read_flow_run(parent_run_id))
+        if not fr.state.is_completed():
+            # a parent cancelled through the API (Cancelled at once, no Cancelling) goes on running this task, and
+            # the server cancels its shards: that shard must stay cancelled, not come back on the next try
+            _check_parent(client, parent_run_id, shard_index)
     if not fr.state.is_completed():
         # a checkpoint removed or rewritten since planning cannot succeed on a relaunch: say so (CheckpointError,
         # which launch_shard does not retry) instead of launching it twice more
@@ -96,6 +135,17 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
             check_models(plan)
         raise RuntimeError(f"shard {shard_index} (flow run {fr.name}) ended {fr.state.type.value}: "
                            f"{fr.state.message}")
+
+
+def _check_parent(client, parent_run_id: str, shard_index: int) -> None:
+    """Raise ParentEnded when the parent flow run is final or being cancelled. The lost-run automation's crash does
+    not count: this task runs in the parent's process, so that crash is false and the parent undoes it
+    (evaldag.runtime.liveness)."""
+    state = client.read_flow_run(parent_run_id).state
+    if state is None or is_lost_run_crash(state) or not (state.is_final() or state.is_cancelling()):
+        return
+    raise ParentEnded(f"shard {shard_index} is not launched: its evaluation (flow run {parent_run_id}) is "
+                      f"{state.name} ({state.message or 'no message'})")
 
 
 def check_models(plan: EvalPlan) -> None:

@@ -8,7 +8,8 @@ from uuid import UUID
 from prefect import get_run_logger, task
 from prefect.deployments import run_deployment
 
-from evaldag.runtime import relaunch
+from evaldag.runtime import liveness, relaunch
+from evaldag.runtime.liveness import is_lost_run_crash, settled
 from evaldag.runtime.deployments import SUITE_DEPLOYMENT, evaluation_deployment
 from evaldag.events.identity import checkpoint_tag, evaluation_id
 
@@ -46,8 +47,7 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
                         tags=[tag])
     action = None
     if relaunch_failed and fr.state and fr.state.is_final() and not fr.state.is_completed():
-        attempts = relaunch.attempts_of(_named_runs(fr.deployment_id, [run_name, f"{run_name}-retry"]), key)
-        decision = relaunch.decide(attempts or [fr], include_cancelled)
+        decision = _settled_decision(fr, key, [run_name, f"{run_name}-retry"], include_cancelled)
         action, fr = decision.action, decision.run
         if decision.start:
             get_run_logger().warning("%s for %s step %d: its latest run %s ended %s; starting it again", deployment,
@@ -62,6 +62,25 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
                           fr.name, fr.state.name if fr.state else "Scheduled")
     return {"benchmark": "+".join(names), "benchmarks": names, "flow_run_id": str(fr.id), "flow_run_name": fr.name,
             "state": fr.state.name if fr.state else "Scheduled", "relaunch": action}
+
+
+def _settled_decision(fr: Any, key: str, names: list[str], include_cancelled: bool) -> relaunch.Decision:
+    """relaunch.decide over the evaluation's attempts, retrying only what is settled: an attempt the lost-run
+    automation set Crashed may still run (a clock step, a partition) and undoes that crash within the grace
+    (evaldag.runtime.liveness.settled); a retry started before would generate beside it. So such an attempt is read
+    again until the grace is over, and the attempts decided on anew."""
+    from prefect.client.orchestration import get_client
+
+    def decided() -> relaunch.Decision:
+        return relaunch.decide(relaunch.attempts_of(_named_runs(fr.deployment_id, names), key) or [fr],
+                               include_cancelled)
+
+    decision = decided()
+    if decision.start and is_lost_run_crash(decision.run.state):
+        with get_client(sync_client=True) as client:
+            settled(lambda: client.read_flow_run(decision.run.id), grace_s=liveness.REVIVE_GRACE_S)
+        decision = decided()
+    return decision
 
 
 def _deployment_for(names: list[str]) -> str:

@@ -99,7 +99,9 @@ def prefect_api():
         with get_client(sync_client=True) as client:
             flow_id = client.create_flow_from_name("eval")
             deployment_id = client.create_deployment(flow_id=flow_id, name="math500")
-        yield SimpleNamespace(deployment_id=deployment_id)
+            shard_flow_id = client.create_flow_from_name("eval-shard")    # eval-shard/gpu: shards stay Scheduled too
+            shard_deployment_id = client.create_deployment(flow_id=shard_flow_id, name="gpu")
+        yield SimpleNamespace(deployment_id=deployment_id, shard_deployment_id=shard_deployment_id)
 
 
 def _client():
@@ -200,3 +202,103 @@ def test_hourly_sweeps_do_not_stack_retries_or_revive_a_cancel(prefect_api, monk
     assert asked["flow_run_id"] != retry["flow_run_id"]
     assert len(_evaluation_runs(prefect_api, "sweep-run")) == 3
     assert str(ckpt) == _evaluation_runs(prefect_api, "sweep-run")[-1].parameters["checkpoint"]
+
+
+def _lost_run_crash():
+    from evaldag.runtime.cluster import CRASH_AUTOMATION
+
+    return Crashed(message=f"Flow run marked as crashed by automation {CRASH_AUTOMATION!r}: no heartbeat")
+
+
+def test_a_lost_run_crash_is_retried_only_once_settled(prefect_api, tmp_path, monkeypatch):
+    """The lost-run automation crashed an evaluation that still runs (a partition, a clock step): it revives within
+    the grace, so no retry starts beside it. One that stays crashed past the grace is retried, once."""
+    import threading
+
+    import tasks.start_evaluation as start_evaluation
+    from evaldag.runtime import liveness
+
+    monkeypatch.setattr(liveness, "REVIVE_GRACE_S", 3.0)
+    train_run, ckpt = "revived", str(complete_checkpoint(tmp_path / "checkpoint-10"))
+    first = _start(ckpt, train_run)
+    _set(first["flow_run_id"], _lost_run_crash())
+
+    def revived_a_second_later(read_run, **grace):
+        """The parent's watchdog undoes the crash a second after the start task read it (liveness.revive)."""
+        threading.Timer(1.0, _set, (first["flow_run_id"], Running(message="still alive; resumed"))).start()
+        return liveness.settled(read_run, **grace)
+
+    # where the start task waits (a no-op where it does not wait: the retry starts at once)
+    monkeypatch.setattr(start_evaluation, "settled", revived_a_second_later, raising=False)
+    again = _start(ckpt, train_run)
+    assert again["flow_run_id"] == first["flow_run_id"] and again["relaunch"] == "live"
+    assert len(_evaluation_runs(prefect_api, train_run)) == 1
+
+    monkeypatch.setattr(start_evaluation, "settled", liveness.settled)
+    _set(first["flow_run_id"], _lost_run_crash())     # really lost this time: nothing revives it
+    retry = _start(ckpt, train_run)
+    assert retry["flow_run_id"] != first["flow_run_id"] and retry["relaunch"] == "retry"
+    assert len(_evaluation_runs(prefect_api, train_run)) == 2
+
+
+def _shard_runs(api) -> list:
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    with _client() as client:
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[api.shard_deployment_id])))
+
+
+def _parent_of(train_run: str):
+    """The id of the (one) eval flow run of `train_run` called in this process."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with _client() as client:
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["eval"])))
+    (run,) = [r for r in runs if r.parameters.get("train_run") == train_run and r.deployment_id is None]
+    return run.id
+
+
+def test_an_evaluation_cancelled_through_the_api_relaunches_no_shard_and_stays_cancelled(prefect_api, configs,
+                                                                                         tmp_path):
+    """set_flow_run_state(Cancelled, force=True), as an API client or a script cancels: the parent's process goes on
+    and the server cancels its shard. That shard is not launched again (it was, twice, each time starting the
+    engine), and the evaluation ends Cancelled with the person's message (it ended Failed over it)."""
+    import threading
+    import time
+
+    from flows.eval_flow import eval_flow
+
+    ckpt = complete_checkpoint(tmp_path / "checkpoint-10")
+    before = {r.id for r in _shard_runs(prefect_api)}
+    done = threading.Event()
+    seen: dict = {}
+
+    def cancel_as_a_script_does() -> None:
+        """Cancel the parent once its shard exists, then cancel every shard run as the server does for a
+        cancelled parent's children (relaunched ones included, so that the old code ends too)."""
+        deadline = time.monotonic() + 120
+        while not done.is_set() and time.monotonic() < deadline:
+            for shard in [r for r in _shard_runs(prefect_api) if r.id not in before]:
+                seen.setdefault(shard.id, shard)
+                if "parent" not in seen:
+                    seen["parent"] = _parent_of("api-cancel")
+                    _set(seen["parent"], Cancelled(message="cancelled by a script"))
+                if not shard.state.is_final():
+                    _set(shard.id, Cancelled(message="The parent flow run was cancelled."))
+            time.sleep(0.5)
+
+    watcher = threading.Thread(target=cancel_as_a_script_does, daemon=True)
+    watcher.start()
+    try:
+        state = eval_flow(benchmark="aime24", checkpoint=str(ckpt), step=10, limit=2, num_shards=1,
+                          train_run="api-cancel", engine="hf", return_state=True)
+    finally:
+        done.set()
+        watcher.join(10)
+    shards = [k for k in seen if k != "parent"]
+    assert len(shards) == 1, f"the shard was launched {len(shards)} times"
+    with _client() as client:
+        final = client.read_flow_run(seen["parent"]).state
+    assert state.is_cancelled() and final.is_cancelled(), final
+    assert final.message == "cancelled by a script"

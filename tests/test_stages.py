@@ -749,3 +749,33 @@ def test_merge_chunks_refuses_a_duplicated_request_that_hides_a_missing_one(tmp_
     write_table(rows("a"), chunks / "requests-000002.parquet", GENERATION_SCHEMA)   # the other writer's copy
     with pytest.raises(RuntimeError):
         stages._merge_chunks(chunks, inputs, [(0, 2), (0, 2)], 0)
+
+
+def test_two_attempts_writing_one_shards_chunks_merge_to_every_sample_once(streaming, monkeypatch):
+    """Two attempts of one shard generating at once on an object store (its lock holds on one machine; a retry
+    beside a revived original): each read no chunk when it started, and they cut their chunks at other places
+    (chunks are cut by count and by time). Chunk names were numbered per attempt, so the later attempt's chunks
+    replaced the earlier's of the same number, and the earlier's last chunk repeated samples of the later's: the
+    merge refused the shard at every retry. Now every attempt's chunks are kept and the merge takes each sample
+    once, equal to an uninterrupted run's."""
+    ckpt, _, results = streaming
+    plan = _plan_of(ckpt, results)
+    chunks = stages.store.chunks_dir(plan.generations_path(0))
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
+    StreamingEngine.crash_after = 5               # attempt A: 5 problems written, 2 + 2 + 1 (the last at its failure)
+    with pytest.raises(ConnectionError):
+        generate_shard(plan, 0)
+    first = chunks.parent / "attempt-a"
+    shutil.move(str(chunks), str(first))          # what attempt B saw when it started: no chunk
+    monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "3")
+    StreamingEngine.crash_after = 6               # attempt B: 6 problems, 3 + 3
+    with pytest.raises(ConnectionError):
+        generate_shard(plan, 0)
+    for p in first.iterdir():                     # A's writes, landed first: B's of the same name replace them
+        if not (chunks / p.name).exists():
+            shutil.copy(p, chunks / p.name)
+    StreamingEngine.crash_after = None
+    merged = pl.read_parquet(generate_shard(plan, 0))
+    clean = pl.read_parquet(generate_shard(_plan_of(ckpt, results.parent / "clean"), 0))
+    assert merged.height == 8 and merged.select("sample_id", "sample_index").is_unique().all()
+    assert merged.drop("latency_s", "batch_size").equals(clean.drop("latency_s", "batch_size"))
