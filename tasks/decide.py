@@ -4,13 +4,15 @@ generate, read their chunks and stop them as soon as the verdict is decided."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from collections.abc import Sequence
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.futures import PrefectWrappedFuture
 
-from evaldag.decisions.decide import Decider, Decision, poll_seconds
+from evaldag.decisions.decide import Decider, Decision, poll_seconds, stop_path
+from evaldag.storage import store
 from evaldag.request.plan import EvalPlan, load_plan
 from evaldag.pipeline.stages import grade_rows
 from tasks.retry import retry_transient
@@ -33,6 +35,9 @@ def deciders_for(plan_paths: Sequence[str], plans: Sequence[EvalPlan]) -> tuple[
             continue
         if (kept := Decision.load(plan)) is not None:
             known[path] = kept
+            if kept.stopped and not stop_path(plan).is_file():
+                # the attempt that decided died before it asked its shards to stop: they may still generate
+                store.write_text(stop_path(plan), json.dumps({"verdict": kept.verdict, "problems": kept.problems}))
             continue
         found = find_incumbent(path)
         if found is None:

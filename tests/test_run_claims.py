@@ -96,3 +96,80 @@ def test_a_run_that_does_not_exist_passes_the_claim_to_the_next_generation(serve
     assert run_claims.claim_run(s, "1", "key", s.make_candidate) == ("candidate-0", True)
     assert s.claims[run_claims.claim_name("1", "key", 1)] == "candidate-0"
     assert s.get_run_calls == 1                                   # no retry: MLflow said it is gone
+
+
+# ---- a failed claim leaves no candidate that looks live: a real MLflow store (SQLite) ---------------------------
+
+class _Failing:
+    """A real MlflowClient whose `fail` methods raise a 503 (an overloaded or restarting server), and whose first
+    look for a claim finds none (`race`: another evaluation claims between that look and this one's claim)."""
+
+    def __init__(self, client, fail: set[str], race: bool = False):
+        self._client, self.fail, self.race = client, fail, race
+
+    def get_experiment_by_name(self, name: str):
+        if self.race and name.startswith(run_claims.CLAIM_PREFIX):
+            self.race = False
+            return None
+        return self._client.get_experiment_by_name(name)
+
+    def __getattr__(self, name: str):
+        if name in self.fail:
+            def fail(*args, **kwargs):
+                raise _mlflow_error("503")
+            return fail
+        return getattr(self._client, name)
+
+
+def _tracked_plan(tmp_path):
+    from conftest import complete_checkpoint
+    from evaldag.request.plan import EvalRequest, resolve
+
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / "job" / "checkpoint-10")
+    return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), step=10, limit=2, num_shards=1,
+                               train_run="job"), tmp_path / "results")
+
+
+def _looks_live(client, exp_id: str) -> list:
+    """Runs the MLflow UI shows as a live evaluation: RUNNING and tagged as one."""
+    return [r for r in client.search_runs([exp_id]) if r.info.status == "RUNNING"
+            and r.data.tags.get("kind") == "ckpt_eval"]
+
+
+def test_a_claim_that_fails_otherwise_leaves_no_live_looking_candidate(sqlite_mlflow, configs, tmp_path, monkeypatch):
+    """create_experiment (the claim) fails with a 503, not RESOURCE_ALREADY_EXISTS: the track fails and is retried,
+    and the candidate it made is not left RUNNING with every tag of the evaluation's run."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from evaldag.tracking import client as tracking_client
+    from evaldag.tracking.write import ensure_experiment, track
+    from evaldag.tracking.names import experiment_name
+
+    client = MlflowClient()
+    monkeypatch.setattr(tracking_client, "mlflow_client", lambda: _Failing(client, {"create_experiment"}))
+    exp_id = ensure_experiment(client, experiment_name("aime24"))   # the claim's failure, not the experiment's
+    with pytest.raises(MlflowException):
+        track(_tracked_plan(tmp_path), {"accuracy": 0.5}, flow_run_id="flow-run-1")
+    runs = client.search_runs([exp_id])
+    assert len(runs) == 1 and _looks_live(client, exp_id) == []
+    assert runs[0].info.status == "FAILED"
+
+
+def test_a_candidate_that_lost_its_claim_and_cannot_be_deleted_is_ended(sqlite_mlflow, tmp_path):
+    """Lost the race (the claim exists: RESOURCE_ALREADY_EXISTS) and delete_run fails: the winner's run is still
+    the one returned, and the loser's candidate is ended, not left RUNNING."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    exp_id = client.create_experiment("claims")
+    winner = client.create_run(exp_id).info.run_id
+    client.create_experiment(run_claims.claim_name(exp_id, "key"), tags={run_claims.RUN_ID_TAG: winner})
+    racing = _Failing(client, {"delete_run"}, race=True)
+
+    def candidate() -> str:
+        return client.create_run(exp_id, tags={"kind": "ckpt_eval"}).info.run_id
+
+    assert run_claims.claim_run(racing, exp_id, "key", candidate) == (winner, False)
+    loser = [r for r in client.search_runs([exp_id]) if r.info.run_id != winner]
+    assert len(loser) == 1 and loser[0].info.status == "FAILED"

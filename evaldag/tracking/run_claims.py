@@ -74,8 +74,10 @@ def claim_name(experiment_id: str, key: str, generation: int = 0) -> str:
 def claim_run(client, experiment_id: str, key: str, make_candidate: Callable[[], str],
               legacy: Callable[[], str | None] | None = None) -> tuple[str, bool]:
     """The one run of `key` in the experiment, created by `make_candidate()` if nobody claimed one; returns
-    (run_id, created). `make_candidate` must create a run that others cannot find by `key` yet (the caller tags
-    the winner afterwards). `legacy()` may name a run logged before claims existed, which is claimed as it is."""
+    (run_id, created). `make_candidate` must create a run that others cannot find by `key` yet and that carries
+    none of the tags that make it look like the key's run (the caller tags the winner afterwards): a candidate left
+    behind by a failed claim is deleted or ended FAILED, but MLflow may refuse both. `legacy()` may name a run
+    logged before claims existed, which is claimed as it is."""
     from mlflow.exceptions import MlflowException
 
     generation = 0
@@ -94,15 +96,42 @@ def claim_run(client, experiment_id: str, key: str, make_candidate: Callable[[],
             claim_id = client.create_experiment(name, tags={RUN_ID_TAG: candidate, "evaldag.claim_for": key})
         except MlflowException as e:
             if _error_code(e) != "RESOURCE_ALREADY_EXISTS":
+                # the claim may have been made all the same (an answer lost after the server wrote it): the
+                # candidate is ended, not deleted, so that such a claim names a run its next reader can finish
+                if existing is None:
+                    _end_candidate(client, candidate)
                 raise
             if existing is None:
-                client.delete_run(candidate)          # lost the race: the winner's run is the one
+                _discard_candidate(client, candidate)     # lost the race: the winner's run is the one
             continue
         try:
             client.delete_experiment(claim_id)        # out of the UI's experiment list; the name stays taken
         except MlflowException:
             pass
         return candidate, existing is None
+
+
+def _discard_candidate(client, run_id: str) -> None:
+    """Delete a candidate run that lost its claim; one MLflow fails to delete is ended instead (`_end_candidate`)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.delete_run(run_id)
+    except (MlflowException, OSError) as e:
+        log.warning("could not delete candidate MLflow run %s, which lost its claim (%s); ending it FAILED", run_id, e)
+        _end_candidate(client, run_id)
+
+
+def _end_candidate(client, run_id: str) -> None:
+    """Set a candidate run that holds no claim FAILED, so that it never shows as a second live run (it carries no
+    evaluation tags: make_candidate's runs are tagged once they have won); best effort, MLflow may be down."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.set_terminated(run_id, "FAILED")
+    except (MlflowException, OSError) as e:
+        log.warning("candidate MLflow run %s holds no claim but could not be ended (%s); it has no evaluation "
+                    "tags, so no evaldag view takes it for one", run_id, e)
 
 
 def _alive(client, run_id: str) -> bool:

@@ -161,7 +161,7 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
     lease_s = lease_seconds() if lease_s is None else lease_s
     owner = flow_run_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     tags = _run_tags(plan, flow_run_id)
-    run_id, created, finished = _claim_for_writing(client, exp_id, plan, tags, owner, lease_s,
+    run_id, created, finished = _claim_for_writing(client, exp_id, plan, owner, lease_s,
                                                    lease_s + 30 if wait_s is None else wait_s)
     if finished:
         if flow_run_id:   # so the flow run that found it can find it back (evaldag run prints its metrics)
@@ -258,16 +258,18 @@ def _run_params(plan: EvalPlan) -> dict[str, Any]:
     }
 
 
-def _claim_for_writing(client, exp_id: str, plan: EvalPlan, tags: dict[str, str], owner: str, lease_s: float,
+def _claim_for_writing(client, exp_id: str, plan: EvalPlan, owner: str, lease_s: float,
                        wait_s: float) -> tuple[str, bool, bool]:
     """Claim the evaluation's run and become its writer unless it is finished: (run id, whether this call created
     it, whether it is finished). Waits up to `wait_s` for a live writer, then raises TrackingBusy."""
     step = plan.request.step
 
-    def candidate() -> str:           # findable by eval_key only once it has won the claim (tags set later)
-        rest = {k: v for k, v in tags.items() if k != "eval_key"}
+    def candidate() -> str:
+        # none of the evaluation's tags (kind, eval_key...) until it has won the claim (_log_results sets them):
+        # a candidate a failed claim leaves behind must not look like the evaluation's run
         return client.create_run(exp_id, run_name=f"{plan.train_run}@{step}",
-                                 tags={**rest, "evaldag.candidate_for": plan.eval_key}).info.run_id
+                                 tags={"kind": "ckpt_eval_candidate", "evaldag.candidate_for": plan.eval_key}
+                                 ).info.run_id
 
     def legacy() -> str | None:       # a run logged before claims existed
         run = find_run(client, exp_id, plan.eval_key)
