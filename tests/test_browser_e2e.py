@@ -32,8 +32,9 @@ JOBS = {"browser-job-a": (10, 20, 30), "browser-job-b": (20,)}
 
 @pytest.fixture
 def sync_api():
-    """Playwright and chromium, checked before anything is evaluated: skipped where they are missing, failed in CI
-    (`.ci/run` installs both)."""
+    """Playwright and chromium, checked before anything is evaluated: chromium must launch and render a page, not
+    only exist (a browser whose libraries or sandbox fail would otherwise cost the evaluations first). Skipped where
+    either is missing or chromium does not start, failed in CI (`.ci/run` installs both)."""
     why = None
     try:
         from playwright import sync_api as api
@@ -41,11 +42,29 @@ def sync_api():
         api, why = None, "pip install playwright (the test extra)"
     if api is not None and not Path(CHROMIUM).is_file():
         why = f"{CHROMIUM} missing: apt-get install -y chromium"
+    elif api is not None:
+        why = _launch_problem(api)
     if why:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"CI must run the browser test: {why}")
         pytest.skip(why)
     return api
+
+
+def _launch_problem(api) -> str | None:
+    """Why chromium does not launch and render a page with the test's arguments, or None when it does."""
+    try:
+        with api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS, timeout=60_000)
+            try:
+                pg = browser.new_page()
+                pg.set_content("<p id='probe'>evaldag</p>")
+                text = pg.text_content("#probe", timeout=10_000)
+            finally:
+                browser.close()
+    except Exception as e:  # noqa: BLE001 - any failure to start or render is the reason to report
+        return f"{CHROMIUM} does not launch: {type(e).__name__}: {str(e)[:500]}"
+    return None if text == "evaldag" else f"{CHROMIUM} launched but rendered {text!r} for a test page"
 
 
 @pytest.fixture

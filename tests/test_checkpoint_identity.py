@@ -101,8 +101,16 @@ def test_weights_rewritten_while_the_engine_loads_them_are_caught(planned, monke
     assert len(loads) == 1 and not plan.generations_path(0).exists()
 
 
-def test_a_served_model_is_not_checked_for_a_folder(planned):
+def test_a_served_model_is_not_checked_for_a_folder(planned, monkeypatch):
     from dataclasses import replace
 
+    from evaldag.request import checkpoint
+
     plan, _, _ = planned
-    check_unchanged(replace(plan.model, engine="openai", path="m @ http://127.0.0.1:1/v1"))
+    hashed = []
+    monkeypatch.setattr(checkpoint, "fingerprint", lambda folder: hashed.append(folder) or "other")
+    served = replace(plan.model, engine="openai", path="m @ http://127.0.0.1:1/v1")
+    assert checkpoint.check_unchanged(served) is None and hashed == []   # nothing is read for a served model
+    # the same model on a local engine is checked: its "folder" does not exist
+    with pytest.raises(CheckpointError, match="is gone"):
+        check_unchanged(replace(served, engine="hf"))

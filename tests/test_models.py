@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +16,23 @@ from evaldag.request.checkpoint import fingerprint, resolve_model, validate_chec
 _complete = complete_checkpoint
 
 
-def test_complete_folder_passes(tmp_path):
-    validate_checkpoint(_complete(tmp_path / "ckpt"))
+@pytest.mark.parametrize("variant", [
+    lambda f: None,                                                  # config, one weight file, tokenizer.json
+    lambda f: ((f / "model.safetensors").rename(f / "pytorch_model.bin")),
+    lambda f: ((f / "tokenizer.json").rename(f / "tokenizer.model")),
+    lambda f: ((f / "tokenizer.json").rename(f / "vocab.json")),
+    lambda f: ((f / "model.safetensors").unlink(),                   # sharded: every file its index names
+               (f / "model-00001-of-00002.safetensors").write_bytes(b"x" * 8),
+               (f / "model-00002-of-00002.safetensors").write_bytes(b"y" * 8),
+               (f / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+                   "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))),
+], ids=["single", "bin", "tokenizer-model", "vocab-json", "sharded"])
+def test_complete_folders_pass_and_resolve_to_their_contents(tmp_path, variant):
+    folder = _complete(tmp_path / "ckpt")
+    variant(folder)
+    assert validate_checkpoint(folder) is None                        # CheckpointError for any missing part
+    model = resolve_model(str(folder))
+    assert Path(model.path) == folder.resolve() and model.fingerprint == fingerprint(folder)
 
 
 @pytest.mark.parametrize("breakage, message", [

@@ -348,16 +348,33 @@ def test_server_stopped_right_after_accepting_an_event_is_recovered_by_the_sweep
     assert evaluation.state.is_completed(), evaluation.state.message
     time.sleep(3)                                  # a late trigger run would show up here
     assert len([r for r in _runs("math500") if r.parameters.get("train_run") == run]) == 1
-    # which path started the one evaluation: the sweeper when the event was lost; when it survived, its
-    # on-checkpoint run, and the sweeper's request was answered with that run (same idempotency key)
+    # which path started the one evaluation, asserted for each: the sweeper when the event was lost; when the event
+    # survived, whichever came first, and the other must have asked for it too (start-evaluation, answered with the
+    # same run: one idempotency key). A sweeper that starts nothing fails here, unless the event's evaluation had
+    # finished before the sweep began (then the sweeper rightly counts it as evaluated).
+    _wait_for(lambda: all(r.state and r.state.is_final() for r in _event_runs(ckpt)), timeout=300)
     events = _event_runs(ckpt)
+    assert all(r.state.is_completed() for r in events), [r.state for r in events]
     starter = _started_by(evaluation)
-    print(f"the stopped server ({how}) lost the accepted event: {not events}; evaluation started by "
-          f"{'the sweeper' if starter == fr.id else 'the event'}")
-    if not events:
-        assert starter == fr.id, f"the event was lost, yet the evaluation was started by flow run {starter}"
+    path = "sweeper" if starter == fr.id else "event" if starter in {r.id for r in events} else None
+    print(f"the stopped server ({how}) lost the accepted event: {not events}; evaluation started by the {path}")
+    assert path is not None, f"the evaluation was started by flow run {starter}, neither the sweeper nor the event"
+    swept = _started_evaluations(fr.id)
+    if path == "sweeper":
+        assert len(swept) == 1, swept
+        assert all(len(_started_evaluations(r.id)) == 1 for r in events)   # a late event asked and joined it
     else:
-        assert starter in {r.id for r in events} | {fr.id}, starter
+        assert len(swept) == 1 or (not swept and evaluation.end_time <= fr.start_time), (swept, evaluation.end_time)
+
+
+def _started_evaluations(flow_run_id) -> list:
+    """The completed start-evaluation task runs of flow run `flow_run_id` (each started or joined one evaluation)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async def go():
+        async with get_client() as client:
+            return await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [t for t in asyncio.run(go()) if t.name.startswith("start-evaluation") and t.state.is_completed()]
 
 
 def _started_by(flow_run) -> object:
