@@ -8,14 +8,19 @@ from pathlib import Path
 
 import polars as pl
 
+from evaldag.decisions import best
 from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.tracking.client import all_runs
-from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, FINAL_STEP_TAG
+from evaldag.tracking.names import COMPARISON_TAG, EXPERIMENT_PREFIX, FINAL_STEP_TAG, stopped_early
 
 
 def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | None = None) -> pl.DataFrame:
-    """Finished evaluation runs as a table: train_run, step, benchmark, accuracy, interval, reward, deltas.
+    """Finished evaluation runs as a table: train_run, step, benchmark, accuracy, interval, reward, comparison_key,
+    stopped (an evaluation stopped early), deltas to the previous and the best checkpoint of its series.
 
+    One row per (job, step, benchmark, comparison key): a slice or another sampling setting is another series
+    (evaldag.decisions.series), never a point of this one, and at a step a full evaluation wins over one that stopped
+    early, else the latest. The previous and best are evaldag.decisions.best's, within the series.
     `train_run` keeps only that training job (or those jobs, given a list)."""
     from mlflow import MlflowClient
 
@@ -41,28 +46,53 @@ def collect(benchmarks: list[str] | None = None, train_run: str | list[str] | No
                          "ci_low": m.get("accuracy_ci_low"), "ci_high": m.get("accuracy_ci_high"),
                          "reward": m.get("reward/mean"), "n_samples": m.get("n_samples"),
                          "comparison_key": t.get(COMPARISON_TAG), "final_step": int(final) if final.isdigit() else None,
-                         "start": r.info.start_time})
+                         "stopped": stopped_early(t), "start": r.info.start_time})
     schema = {"train_run": pl.Utf8, "step": pl.Int64, "benchmark": pl.Utf8, "accuracy": pl.Float64,
               "ci_low": pl.Float64, "ci_high": pl.Float64, "reward": pl.Float64, "n_samples": pl.Float64,
-              "comparison_key": pl.Utf8, "final_step": pl.Int64, "start": pl.Int64}
-    df = pl.DataFrame(rows, schema=schema)
-    # the latest run per (job, step, benchmark): a re-evaluation supersedes an older one
-    df = df.sort("start", descending=True).unique(["train_run", "step", "benchmark"], keep="first")
-    return (df.sort("train_run", "benchmark", "step")
-            .with_columns(
-                delta_prev=pl.col("accuracy") - pl.col("accuracy").shift(1).over("train_run", "benchmark"),
-                delta_best=pl.col("accuracy") - pl.col("accuracy").max().over("train_run", "benchmark"))
-            .drop("start"))
+              "comparison_key": pl.Utf8, "final_step": pl.Int64, "stopped": pl.Boolean, "start": pl.Int64}
+    df = (pl.DataFrame(rows, schema=schema).sort(["stopped", "start"], descending=[False, True])
+          .unique(["train_run", "step", "benchmark", "comparison_key"], keep="first")
+          .sort("train_run", "benchmark", "comparison_key", "step"))
+    return _with_deltas(df).drop("start")
+
+
+def _with_deltas(df: pl.DataFrame) -> pl.DataFrame:
+    """delta_prev and delta_best: each row's accuracy less that of its series' previous and best evaluation at the
+    steps before (evaldag.decisions.best.references); null where there is none."""
+    prev, top = [], []
+    for _, series in df.group_by("train_run", "benchmark", "comparison_key", maintain_order=True):
+        earlier: list[dict] = []
+        for row in series.iter_rows(named=True):
+            refs = best.references(earlier)
+            prev.append(row["accuracy"] - refs["previous"]["accuracy"] if "previous" in refs else None)
+            top.append(row["accuracy"] - refs["best"]["accuracy"] if "best" in refs else None)
+            earlier.append(row)
+    # group_by(maintain_order) visits the sorted frame's rows in order, so the lists line up with its rows
+    return df.with_columns(delta_prev=pl.Series(prev, dtype=pl.Float64), delta_best=pl.Series(top, dtype=pl.Float64))
+
+
+def _main_keys(df: pl.DataFrame) -> pl.DataFrame:
+    """Per (job, benchmark), the comparison key of its main series: the one with the most full evaluations, the
+    latest step breaking a tie (so a quick slice after six full evaluations does not take the job's curve over)."""
+    return (df.group_by("train_run", "benchmark", "comparison_key")
+            .agg(full=(~pl.col("stopped")).sum(), last=pl.col("step").max())
+            .sort("full", "last", descending=True)
+            .unique(["train_run", "benchmark"], keep="first")
+            .select("train_run", "benchmark", key="comparison_key"))
+
+
+def _main_series(df: pl.DataFrame) -> pl.DataFrame:
+    """The rows of each (job, benchmark)'s main series (`_main_keys`): what its curve is drawn from."""
+    keys = _main_keys(df)
+    return (df.join(keys, on=["train_run", "benchmark"])
+            .filter(pl.col("comparison_key").eq_missing(pl.col("key")))
+            .drop("key").sort("train_run", "benchmark", "step"))
 
 
 def _series(df: pl.DataFrame) -> pl.DataFrame:
-    """The rows a job's curve is made of: per (job, benchmark), those with the comparison key of its latest step
-    (a quick slice or another sampling setting is another series; evaldag.decisions.series), with their sample counts."""
-    latest = (df.sort("step").group_by("train_run", "benchmark", maintain_order=True)
-              .agg(key=pl.col("comparison_key").last()))
-    return (df.join(latest, on=["train_run", "benchmark"])
-            .filter(pl.col("comparison_key").eq_missing(pl.col("key")) & pl.col("n_samples").is_not_null())
-            .drop("key").sort("train_run", "benchmark", "step"))
+    """The rows a job's forecast is made of: its main series (a quick slice or another sampling setting is another
+    series, evaldag.decisions.series), where they have sample counts."""
+    return _main_series(df).filter(pl.col("n_samples").is_not_null())
 
 
 def forecasts(df: pl.DataFrame, final_step: int | None = None) -> pl.DataFrame:
@@ -106,30 +136,36 @@ def render(df: pl.DataFrame):
     """A rich table: rows = (job, step), columns = benchmarks."""
     from rich.table import Table
 
-    table = Table(title="checkpoints x benchmarks: accuracy [95% interval] (delta to previous / to best)")
+    table = Table(title="checkpoints x benchmarks: accuracy [95% interval] (delta to previous / to best so far); "
+                        "a series other than a job's main one (another comparison key) in a column of its own")
     table.add_column("train run")
     table.add_column("step", justify="right")
-    benches = sorted(df["benchmark"].unique().to_list())
-    for b in benches:
-        table.add_column(b, justify="right")
-    for (run, step), group in df.group_by(["train_run", "step"], maintain_order=True):
-        cells = {r["benchmark"]: r for r in group.iter_rows(named=True)}
-        row = [run, str(step)]
-        for b in benches:
-            r = cells.get(b)
-            if r is None:
-                row.append("-")
-                continue
-            text = f"{r['accuracy']:.1%}"
-            if r["ci_low"] is not None:
-                text += f" [{r['ci_low']:.1%}, {r['ci_high']:.1%}]"
-            prev = "" if r["delta_prev"] is None else f"{r['delta_prev'] * 100:+.1f}"
-            best = f"{r['delta_best'] * 100:+.1f}"
-            colour = "green" if (r["delta_prev"] or 0) > 0 else "red" if (r["delta_prev"] or 0) < 0 else "white"
-            text += f"\n[{colour}]{prev or '  '}[/] / {best}"
-            row.append(text)
-        table.add_row(*row)
+    main = _main_keys(df).rename({"key": "main"})
+    df = df.join(main, on=["train_run", "benchmark"]).with_columns(
+        column=pl.when(pl.col("comparison_key").eq_missing(pl.col("main"))).then(pl.col("benchmark"))
+        .otherwise(pl.format("{} [{}]", "benchmark", pl.col("comparison_key").fill_null("no key").str.slice(0, 8))))
+    columns = sorted(df["column"].unique().to_list())
+    for c in columns:
+        table.add_column(c, justify="right")
+    for (run, step), group in df.sort("train_run", "step").group_by(["train_run", "step"], maintain_order=True):
+        cells = {r["column"]: r for r in group.iter_rows(named=True)}
+        table.add_row(run, str(step), *(_cell(cells.get(c)) for c in columns))
     return table
+
+
+def _cell(r: dict | None) -> str:
+    """One evaluation's cell of `render`: accuracy, interval, deltas to the previous and the best so far."""
+    if r is None:
+        return "-"
+    text = f"{r['accuracy']:.1%}"
+    if r["ci_low"] is not None:
+        text += f" [{r['ci_low']:.1%}, {r['ci_high']:.1%}]"
+    if r["stopped"]:
+        text += " (stopped early)"
+    prev = "" if r["delta_prev"] is None else f"{r['delta_prev'] * 100:+.1f}"
+    top = "" if r["delta_best"] is None else f"{r['delta_best'] * 100:+.1f}"
+    colour = "green" if (r["delta_prev"] or 0) > 0 else "red" if (r["delta_prev"] or 0) < 0 else "white"
+    return text + f"\n[{colour}]{prev or '  '}[/] / {top or '  '}"
 
 
 def figure(df: pl.DataFrame, predicted: pl.DataFrame | None = None):
@@ -149,8 +185,8 @@ def figure(df: pl.DataFrame, predicted: pl.DataFrame | None = None):
     fig, axes = plt.subplots(2, len(benches), figsize=(6 * len(benches), 7), sharex="col", squeeze=False)
     for col, bench in enumerate(benches):
         acc_ax, rew_ax = axes[0][col], axes[1][col]
-        for (job,), g in df.filter(pl.col("benchmark") == bench).sort("step").group_by(["train_run"],
-                                                                                        maintain_order=True):
+        for (job,), g in _main_series(df).filter(pl.col("benchmark") == bench).group_by(["train_run"],
+                                                                                         maintain_order=True):
             steps = g["step"].to_list()
             line, = acc_ax.plot(steps, g["accuracy"].to_list(), "o-", label=job)
             if g["ci_low"].null_count() == 0:
