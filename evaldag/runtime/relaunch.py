@@ -9,7 +9,9 @@ the first run did not complete; `decide` looks at every attempt and says what to
   gpu slots;
 - the latest attempt completed: nothing to do;
 - the latest attempt was cancelled by a person (see `is_deliberate_cancel`): start nothing unless `include_cancelled`;
-- the latest attempt failed or crashed (or Prefect itself cancelled it): start one retry, keyed by `retry_key`.
+- the latest attempt failed or crashed (or Prefect itself cancelled it): start one retry, keyed by `retry_key`. A
+  crash by the lost-run automation may be false (the run revives within evaldag.runtime.liveness.REVIVE_GRACE_S):
+  start_evaluation reads such an attempt again until that grace is over before it starts a retry beside it.
 
 Pure functions over anything with `id`, `idempotency_key`, `state` and `created` (Prefect's FlowRun): the lookup of
 the runs is tasks/start_evaluation.py's.
