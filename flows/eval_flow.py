@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import unmapped
 
-from evaldag.storage import store
+from evaldag.storage.schema import GRADED_SCHEMA, read_table
 from evaldag.decisions.decide import Decider, Decision, graded_prefix_path
 from evaldag.errors import ConfigError
 from evaldag.runtime.deployments import EVAL_FLOW
@@ -149,18 +149,18 @@ def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: i
                       decision: Decision | None = None, decider: Decider | None = None) -> dict:
     """Reduce one benchmark's shards (an evaluation stopped early: the prefix it was decided on), log them to
     MLflow, and publish the Prefect artifacts; returns the summary."""
+    if decider is not None and decision is None:     # ran to the end undecided: the verdict over every problem
+        decision = decider.final(pl.concat([read_table(path, GRADED_SCHEMA).select(
+            "sample_id", "sample_index", "shard_index", "correct", "completion_tokens") for path in graded]))
+        publish(plan, decision)
+    if decision is not None:
+        # before the reduce, which puts its figures in metrics.json with the rest (what `evaldag sync` logs), and
+        # track tags the run from it
+        decision.save(plan)
     if decision is not None and decision.stopped:
         metrics = reduce_task(plan_path, [str(graded_prefix_path(plan))], decision.prefix)
     else:
         metrics = reduce_task(plan_path, graded)
-    if decider is not None and decision is None:     # ran to the end undecided: the verdict over every problem
-        with store.local_copy(plan.path("samples.parquet")) as local:
-            decision = decider.final(pl.read_parquet(local, columns=["sample_id", "sample_index", "shard_index",
-                                                                     "correct", "completion_tokens"]))
-        publish(plan, decision)
-    if decision is not None:
-        decision.save(plan)       # track tags the run from it
-        metrics = {**metrics, **decision.metrics()}
     run = track_task(plan_path, metrics, flow_run.id)
     summary = {"eval_key": plan.eval_key, "mlflow_run_id": run.run_id, "mlflow_url": run.url,
                "new_mlflow_run": run.created, "metrics": metrics}

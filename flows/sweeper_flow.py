@@ -34,9 +34,12 @@ def _roots(roots: list[str] | None) -> list[Path]:
 
 @flow(name=SWEEPER_FLOW, log_prints=True)
 def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math500"],  # noqa: B006
-                 eval_overrides: dict | None = None, include_cancelled: bool = False) -> dict:
+                 eval_overrides: dict | None = None, include_cancelled: bool = False,
+                 full_after_decide: bool = False) -> dict:
     """Start an evaluation for every complete checkpoint under `roots` (default: EVALDAG_CHECKPOINT_ROOTS) that
-    has no finished MLflow run with these settings (`eval_overrides`) yet. An evaluation that failed or crashed is
+    has no finished MLflow run with these settings (`eval_overrides`) yet. An evaluation that asked for a
+    sequential verdict (decide; it may have stopped early) counts as one with the same settings otherwise, so the
+    sweep does not undo its saving; `full_after_decide` evaluates such checkpoints in full all the same. An evaluation that failed or crashed is
     started again, once: nothing while a retry of it is still queued or running, and nothing after a run a person
     cancelled unless `include_cancelled` (evaldag.runtime.relaunch). A checkpoint a trainer announced under a job
     name of its own is evaluated under that name, so an evaluation under way is joined, not repeated."""
@@ -44,7 +47,7 @@ def eval_sweeper(roots: list[str] | None = None, benchmarks: list[str] = ["math5
     benches = requested_benchmarks(None, benchmarks)
     found = [(step, ckpt, root) for root in _roots(roots) if root.is_dir()
              for step, ckpt in discover_checkpoints(root, marker)]
-    have = {bench: evaluated_checkpoints(bench) for bench in benches}
+    have = {bench: evaluated_checkpoints(bench, decided_counts=not full_after_decide) for bench in benches}
     started, done = [], 0
     for step, ckpt, root in found:
         missing = [bench for bench in benches   # not yet evaluated with these settings

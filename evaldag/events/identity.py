@@ -58,6 +58,7 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
             out["pass_k"] = sorted(set(out["pass_k"]))
         except TypeError:
             pass
+    _resolve_decide(out)
     if isinstance(out.get("adaptive"), Mapping):   # with its defaults, as the request holds it
         try:
             from evaldag.decisions.adaptive import AdaptiveSettings
@@ -73,6 +74,21 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
     except Exception:  # an unknown benchmark or invalid sampling: the flow names the problem
         pass
     return out
+
+
+_DECIDE = ("decide", "decide_alpha", "decide_margin", "decide_rounds")
+
+
+def _resolve_decide(out: dict[str, Any]) -> None:
+    """The decide settings of `out` with their defaults filled in (evaldag.request.plan.resolved_decide), as the
+    eval_key holds them; without `decide` its alpha, margin and rounds mean nothing and are dropped."""
+    from evaldag.request.plan import resolved_decide
+
+    resolved = resolved_decide(*(out.get(k) for k in _DECIDE))
+    for key in _DECIDE:
+        out.pop(key, None)
+    if resolved is not None:
+        out.update(zip(_DECIDE, resolved))
 
 
 def model_settings(checkpoint: str | Path, engine: str | None = None) -> dict[str, Any]:
@@ -138,10 +154,12 @@ def settings_key(benchmark: str, checkpoint: str | Path, overrides: Mapping[str,
     return _key(output_settings(benchmark, overrides), _benchmark_settings(benchmark), dict(model))
 
 
-def plan_settings_key(plan: Any) -> str:
+def plan_settings_key(plan: Any, decide: bool = True) -> str:
     """`settings_key` of a resolved evaluation (an EvalPlan), from what it was resolved with: track() tags its MLflow
-    run with it, and the sweeper, which computes `settings_key` from its own settings and the folder, finds it."""
-    request = plan.request.model_dump(exclude=set(IDENTITY))
+    run with it, and the sweeper, which computes `settings_key` from its own settings and the folder, finds it.
+    `decide=False`: the key of the same evaluation without its sequential verdict, the full one it stands for
+    (under which the sweeper counts a decided evaluation as done, evaldag.tracking.history.evaluated_checkpoints)."""
+    request = plan.request.model_dump(exclude=set(IDENTITY) | (set() if decide else set(_DECIDE)))
     m = plan.model
     model = {"dtype": m.dtype, "engine": m.engine, "batch_size": m.batch_size, "engine_args": dict(m.engine_args),
              "fingerprint": m.fingerprint}

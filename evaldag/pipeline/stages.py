@@ -823,6 +823,9 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     if scores is not None:        # what paired verdicts compare per problem (evaldag.decisions.verdicts)
         samples = samples.join(scores, on="sample_id", how="left", maintain_order="left")
     store.write_parquet(plan.path("samples.parquet"), samples.drop("completion_ids"))
+    if plan.request.decide is not None and (decision := decide.Decision.load(plan)) is not None:
+        # the sequential verdict's figures (decide.*): metrics.json holds all the MLflow run gets, so sync logs them
+        result.update(decision.metrics())
     result["reduce_s"] = time.perf_counter() - t0
     store.write_json(plan.path("metrics.json"), result)
     if diagnostic is not None:

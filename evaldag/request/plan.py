@@ -37,6 +37,17 @@ from evaldag.decisions.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
 # Times the sequential verdict is read, at equal steps of the problems (evaldag.decisions.decide)
 DEFAULT_ROUNDS = 10
 
+
+def resolved_decide(decide: str | None, alpha: float | None = None, margin: float | None = None,
+                    rounds: int | None = None) -> tuple[str, float, float, int] | None:
+    """A sequential verdict's settings with the defaults filled in: (decide, alpha, margin, rounds), or None when
+    none is asked for. The keys hold this form (eval_key here, settings_key in evaldag.events.identity), so that a
+    request naming a default value is the same request as one leaving it out."""
+    if decide is None:
+        return None
+    return (decide, DEFAULT_ALPHA if alpha is None else alpha, DEFAULT_MARGIN if margin is None else margin,
+            DEFAULT_ROUNDS if rounds is None else rounds)
+
 DEFAULT_CHECKPOINT = "smollm2-135m-instruct"
 # Bump when a stage's code changes what it writes; it is part of every eval_key.
 PIPELINE_VERSION = f"{__version__}/5"   # 2: static KV cache (hf); 3: exact sampling distribution, per-shard seeds;
@@ -197,10 +208,8 @@ class EvalPlan(BaseModel):
     def decide_settings(self) -> tuple[float, float, int] | None:
         """(alpha, margin, rounds) of the sequential verdict when the request asks for one (decide), else None."""
         r = self.request
-        if r.decide is None:
-            return None
-        return (r.decide_alpha or DEFAULT_ALPHA, DEFAULT_MARGIN if r.decide_margin is None else r.decide_margin,
-                r.decide_rounds or DEFAULT_ROUNDS)
+        resolved = resolved_decide(r.decide, r.decide_alpha, r.decide_margin, r.decide_rounds)
+        return None if resolved is None else resolved[1:]
 
     @property
     def progress_unit(self) -> str:
@@ -382,8 +391,8 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),
     })
     train_run = request.train_run or _default_train_run(request.checkpoint, model)
-    decide = {} if request.decide is None else {"decide": [request.decide, request.decide_alpha,
-                                                           request.decide_margin, request.decide_rounds]}
+    decided = resolved_decide(request.decide, request.decide_alpha, request.decide_margin, request.decide_rounds)
+    decide = {} if decided is None else {"decide": list(decided)}
     # answer groups for maj@k are made over all shards of a split problem at the reduce (before, per shard: wrong)
     regrouped = {} if runs is None else {"answer_groups": "across-shards"}
     adaptive_key = {} if adaptive is None else {"adaptive": adaptive.model_dump()}

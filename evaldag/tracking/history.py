@@ -11,21 +11,25 @@ import polars as pl
 
 from evaldag.scoring.diagnostics import Diagnostic
 from evaldag.tracking import client as tracking_client
-from evaldag.tracking.names import COMPARISON_TAG, SETTINGS_TAG, experiment_name, full_first
+from evaldag.tracking.names import (COMPARISON_TAG, SETTINGS_TAG, UNDECIDED_SETTINGS_TAG, experiment_name,
+                                    full_first)
 
 
-def evaluated_checkpoints(benchmark: str) -> set[tuple[str, int, str]]:
+def evaluated_checkpoints(benchmark: str, decided_counts: bool = True) -> set[tuple[str, int, str]]:
     """(checkpoint folder, step, settings key) of every finished evaluation of `benchmark`: what the sweeper need
     not redo (evaldag.events.identity.evaluated_key builds the same triple from its settings). A run logged before
     settings keys existed has an empty one, so the sweeper evaluates its checkpoint again (from the result store's
-    cache when the stages are there)."""
+    cache when the stages are there). An evaluation that asked for a sequential verdict (decide, stopped early or
+    not) also counts under the key of the same evaluation without it, the full one it stands for, unless
+    `decided_counts` is False (a sweep that wants every checkpoint evaluated in full)."""
     client = tracking_client.mlflow_client()
     exp = client.get_experiment_by_name(experiment_name(benchmark))
     if exp is None:
         return set()
     runs = tracking_client.all_runs(client, [exp.experiment_id], filter_string="attributes.status = 'FINISHED'")
-    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")),
-             r.data.tags.get(SETTINGS_TAG, "")) for r in runs}
+    tags = (SETTINGS_TAG, UNDECIDED_SETTINGS_TAG) if decided_counts else (SETTINGS_TAG,)
+    return {(r.data.tags.get("checkpoint", ""), int(r.data.tags.get("step", "0")), r.data.tags.get(tag, ""))
+            for r in runs for tag in tags if tag == SETTINGS_TAG or tag in r.data.tags}
 
 
 _HISTORY_SCHEMA = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,

@@ -14,9 +14,12 @@ EXPERIMENT_PREFIX = "evaldag"
 JOBS_EXPERIMENT = f"{EXPERIMENT_PREFIX}-train-runs"
 COMPARISON_TAG = "evaldag.comparison_key"
 SETTINGS_TAG = "evaldag.settings_key"
+# On an evaluation that asked for a sequential verdict (decide): the settings key of the same evaluation without it,
+# under which the sweeper counts it as done for its checkpoint (evaldag.tracking.history.evaluated_checkpoints).
+UNDECIDED_SETTINGS_TAG = "evaldag.settings_key_without_decide"
 # An evaluation that stopped early (evaldag.decisions.decide) is tagged decide.status=stopped: its accuracy is over a
-# prefix of the problems. At a step, a full evaluation supersedes it whatever their order, and only one decided
-# `better` may become the job's best so far.
+# prefix of the problems. At a step, a full evaluation supersedes it whatever their order, and it is never the job's
+# best (evaldag.decisions.best).
 DECIDE_STATUS_TAG, DECIDE_VERDICT_TAG = "decide.status", "decide.verdict"
 
 
@@ -70,4 +73,4 @@ def charts_url(uri: str, exp_id: str) -> str:
 
 __all__ = ["COMPARISON_TAG", "DIFFERS_TAG", "EXPERIMENT_KIND_TAG", "EXPERIMENT_PREFIX", "FINAL_STEP_TAG",
            "FORECAST_TAG", "JOBS_EXPERIMENT",
-           "SETTINGS_TAG", "TRAINING_KIND", "UI_TRAINING", "charts_url", "experiment_name", "mlflow_key", "run_url"]
+           "SETTINGS_TAG", "TRAINING_KIND", "UNDECIDED_SETTINGS_TAG", "UI_TRAINING", "charts_url", "experiment_name", "mlflow_key", "run_url"]

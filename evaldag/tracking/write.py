@@ -32,7 +32,8 @@ from evaldag.tracking import client as tracking_client
 from evaldag.tracking.history import (comparable_histories, history_diagnostics, history_row, job_history,
                                       plot_history)
 from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, FINAL_STEP_TAG, FORECAST_TAG,
-                                    JOBS_EXPERIMENT, SETTINGS_TAG, TRAINING_KIND, experiment_name, mlflow_key, run_url)
+                                    JOBS_EXPERIMENT, SETTINGS_TAG, TRAINING_KIND, UNDECIDED_SETTINGS_TAG,
+                                    experiment_name, mlflow_key, run_url)
 from evaldag.events.identity import plan_settings_key
 
 log = logging.getLogger("evaldag")
@@ -229,6 +230,8 @@ def _run_tags(plan: EvalPlan, flow_run_id: str | None) -> dict[str, str]:
         SETTINGS_TAG: plan_settings_key(plan),                        # the sweeper's "evaluated with these settings"
         COMPARISON_TAG: comparison_key(plan),                         # the job history's "measured alike"
         **_decision_tags(plan),
+        # a decided evaluation stands for the full one: the sweeper (which asks no decide) counts it as done
+        **({} if plan.request.decide is None else {UNDECIDED_SETTINGS_TAG: plan_settings_key(plan, decide=False)}),
     }
 
 
