@@ -183,7 +183,7 @@ def test_start_evaluation_leaves_a_cancelled_run_alone_unless_asked(prefect_api,
 def test_hourly_sweeps_do_not_stack_retries_or_revive_a_cancel(prefect_api, monkeypatch):
     import flows.sweeper_flow as sweeper
 
-    monkeypatch.setattr(sweeper, "evaluated_checkpoints", lambda bench: set())   # MLflow has nothing finished
+    monkeypatch.setattr(sweeper, "evaluated_checkpoints", lambda bench, **_: set())   # MLflow has nothing finished
     root = Path(os.environ["EVALDAG_CHECKPOINT_ROOTS"]) / "sweep-run"
     ckpt = complete_checkpoint(root / "checkpoint-10").resolve()
     sweep = {"roots": [str(root)], "benchmarks": ["math500"]}
