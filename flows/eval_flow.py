@@ -145,13 +145,19 @@ def _generate(running: list[tuple[str, EvalPlan]], names: list[str], dispatch: s
     return graded, decisions
 
 
+def final_decision(decider: Decider, graded: list[str]) -> Decision:
+    """The decision of an evaluation that ran to the end undecided, from its shards' graded files: read before the
+    reduce, so that metrics.json is written once with the decision's figures in it."""
+    return decider.final(pl.concat([read_table(path, GRADED_SCHEMA).select(
+        "sample_id", "sample_index", "shard_index", "correct", "completion_tokens") for path in graded]))
+
+
 def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int,
                       decision: Decision | None = None, decider: Decider | None = None) -> dict:
     """Reduce one benchmark's shards (an evaluation stopped early: the prefix it was decided on), log them to
     MLflow, and publish the Prefect artifacts; returns the summary."""
     if decider is not None and decision is None:     # ran to the end undecided: the verdict over every problem
-        decision = decider.final(pl.concat([read_table(path, GRADED_SCHEMA).select(
-            "sample_id", "sample_index", "shard_index", "correct", "completion_tokens") for path in graded]))
+        decision = final_decision(decider, graded)
         publish(plan, decision)
     if decision is not None:
         # before the reduce, which puts its figures in metrics.json with the rest (what `evaldag sync` logs), and

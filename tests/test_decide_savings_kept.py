@@ -12,7 +12,7 @@ import test_stages
 from test_keys import _keys
 from test_plan import KeyWorld
 
-from evaldag.decisions.decide import Decision, decision_order
+from evaldag.decisions.decide import Decider, Decision, decision_order
 from evaldag.events.identity import evaluated_key
 from evaldag.pipeline import stages
 from evaldag.request.plan import EvalRequest, resolve
@@ -81,3 +81,28 @@ def test_metrics_json_holds_the_decisions_figures(setup):
     assert {"decide.stopped", "decide.problems", "decide.diff", "decide.tokens_saved_est"} <= set(expected)
     assert {k: written.get(k) for k in expected} == pytest.approx(expected)
     assert written["decide.problems"] == 10 and written["decide.tokens_saved_est"] == 200
+
+
+def test_an_evaluation_that_ran_to_the_end_has_its_decision_in_metrics_json(setup):
+    """The flow's path for an evaluation no round decided: the final decision from the shards' graded files, saved
+    before the reduce, which writes it into metrics.json."""
+    from flows.eval_flow import final_decision
+
+    ckpt, _, results = setup
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=6, num_shards=1, decide="vs_best",
+                               decide_rounds=3), results)
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
+    golds = dict(plan.inputs().select("sample_id", "gold").iter_rows())
+    graded = stages.grade_rows(plan, _rows(plan, order, lambda r: f"The answer is \\boxed{{{golds[r['sample_id']]}}}."))
+    path = plan.path("graded-0.parquet")
+    write_table(graded, path, GRADED_SCHEMA)
+    incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 6, "score": [1.0] * 6})
+    decision = final_decision(Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows)),
+                              [str(path)])
+    # by hand: all six solved by both, d = 0 on six problems: too few to call anything, 6 of 6 problems
+    assert (decision.status, decision.verdict, decision.problems, decision.diff) == ("completed", "undecided", 6, 0.0)
+    decision.save(plan)
+    metrics = stages.reduce_results(plan, [str(path)])
+    written = json.loads(plan.path("metrics.json").read_text())
+    assert written["decide.problems"] == 6 and written["decide.stopped"] == 0.0 and written["accuracy"] == 1.0
+    assert metrics == pytest.approx(written)
