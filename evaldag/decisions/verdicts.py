@@ -86,7 +86,8 @@ def pair_job_evaluations(runs: pl.DataFrame, load: Callable[[str], pl.DataFrame]
                          alpha: float = 0.05, baseline: str | None = None) -> pl.DataFrame:
     """Every asked-for evaluation of each training job against the job's previous checkpoint, its best checkpoint
     so far (evaldag.decisions.best: the verdict accounts for the best's selection; an evaluation stopped early is
-    never the best) and the optional `baseline`, each only within the same comparison key. `runs` as `evaluations` returns; `load(run_id)` gives a run's per-sample table.
+    never the best) and the optional `baseline`, each only within the same comparison key. `runs` as `evaluations`
+    returns; `load(run_id)` gives a run's per-sample table.
 
     Returns one row per comparison: train_run, benchmark, step, accuracy, vs (previous / best / baseline),
     other (JOB@STEP), other_accuracy, and the PairedVerdict fields. Runs without a comparison key (logged by an
