@@ -159,3 +159,21 @@ def test_the_client_still_imports_without_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_an_active_run_id_the_event_would_refuse_is_left_out(monkeypatch):
+    """An id outside the event schema's pattern would get the whole event refused by the server; the job's own
+    parent run is the better outcome. (A stand-in `mlflow` module: real MLflow ids always match.)"""
+    from types import SimpleNamespace
+
+    from evaldag.client.trainer_callback import active_mlflow_run_id
+
+    def fake(run_id):
+        return SimpleNamespace(active_run=lambda: SimpleNamespace(info=SimpleNamespace(run_id=run_id)))
+
+    monkeypatch.setitem(sys.modules, "mlflow", fake("0123abcd" * 4))
+    assert active_mlflow_run_id() == "0123abcd" * 4
+    monkeypatch.setitem(sys.modules, "mlflow", fake("runs:/not an id"))
+    assert active_mlflow_run_id() is None
+    monkeypatch.delitem(sys.modules, "mlflow")
+    assert active_mlflow_run_id() is None

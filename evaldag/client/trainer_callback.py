@@ -153,9 +153,12 @@ def active_mlflow_run_id() -> str | None:
         return None
     try:
         run = mlflow.active_run()
-    except Exception:  # noqa: BLE001 - a broken tracking setup must not stop the announcement
+        # an id the event schema refuses would get the whole event refused: the job's own parent run is better
+        return None if run is None else check_run_id(run.info.run_id)
+    except Exception as e:  # noqa: BLE001 - a broken tracking setup must not stop the announcement
+        log.warning("evaldag: the active MLflow run is not usable as the evaluations' parent (%s); evaldag makes the "
+                    "job's own", e)
         return None
-    return run.info.run_id if run is not None else None
 
 
 __all__ = ["EvaldagCallback", "active_mlflow_run_id"]
