@@ -310,18 +310,15 @@ def run(
     adaptive_width: Annotated[Optional[float], typer.Option(min=0.001, max=0.99, help="adaptive samples until the "
                                                             "accuracy's interval is about this wide (0.05 = 5 "
                                                             "points), instead of a budget")] = None,
-    benchmarks: Annotated[Optional[str], typer.Option(help="several benchmarks in one run, comma-separated "
-                                                      "(math500,aime24): eval/suite, each gpu slot loading the "
-                                                      "checkpoint once for all of them; instead of BENCHMARK")]
-    = None,
-    seed: Annotated[Optional[int], typer.Option(min=0, help="sampling seed (default: the benchmark's); another "
-                                                "seed is another generation, so it also forces a fresh one")]
-    = None,
+    benchmarks: Annotated[Optional[str], typer.Option(help="math500,aime24: one eval/suite run (one engine load "
+                                                      "per gpu slot) instead of BENCHMARK")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=0, help="sampling seed (another seed: a fresh generation)")] = None,
 ) -> None:
-    """Run `eval/<benchmark>` (or eval/suite for --benchmarks) on the local stack (what `prefect deployment run`
-    does), follow it, print the result and the paired verdicts against the job's previous and best checkpoints
-    (and --baseline), and with --decide whether it stopped early."""
+    """Run `eval/<benchmark>` (eval/suite for --benchmarks) on the local stack (what `prefect deployment run` does),
+    follow it, print the result and the paired verdicts against the job's previous and best checkpoints (and
+    --baseline), and with --decide whether it stopped early."""
     from evaldag.runtime import runner
+    from evaldag.runtime.deployments import SUITE
     from evaldag.runtime.stack import Stack
 
     if not decide and (decide_margin is not None or decide_alpha is not None):
@@ -329,7 +326,9 @@ def run(
     if adaptive_budget is not None and adaptive_width is not None:
         raise typer.BadParameter("--adaptive-budget and --adaptive-width are two ways to size adaptive samples; "
                                  "give one")
-    names = _benchmark_list(ctx, benchmark, benchmarks)
+    if benchmarks is not None and getattr(ctx.get_parameter_source("benchmark"), "name", None) == "COMMANDLINE":
+        raise typer.BadParameter(f"give BENCHMARK ({benchmark}) or --benchmarks, not both")
+    names = runner.benchmark_names(benchmarks, typer.BadParameter) if benchmarks is not None else [benchmark]
     stack = Stack()
     sampling = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).items()
                 if v is not None} or None
@@ -341,31 +340,8 @@ def run(
                                     decide_margin=decide_margin, decide_alpha=decide_alpha,
                                     adaptive=adaptive).items()
               if v is not None}
-    if len(names) > 1:    # eval/suite: each gpu slot loads the checkpoint once for all of them
-        from evaldag.runtime.deployments import SUITE
-
-        runner.run_and_report(stack, SUITE, {**params, "benchmarks": names})
-    else:
-        runner.run_and_report(stack, names[0], params)
-
-
-def _benchmark_list(ctx: typer.Context, benchmark: str, benchmarks: str | None) -> list[str]:
-    """The benchmarks `evaldag run` evaluates: BENCHMARK, or the comma-separated --benchmarks (not both)."""
-    from evaldag.request.config import available
-    from evaldag.request.rules import check_benchmark_names
-
-    if benchmarks is None:
-        return [benchmark]
-    source = ctx.get_parameter_source("benchmark")
-    if source is not None and source.name == "COMMANDLINE":
-        raise typer.BadParameter(f"give BENCHMARK ({benchmark}) or --benchmarks, not both")
-    names = check_benchmark_names(list(dict.fromkeys(b.strip() for b in benchmarks.split(",") if b.strip())),
-                                  typer.BadParameter)
-    unknown = [n for n in names if n not in available("benchmarks")]
-    if unknown:
-        raise typer.BadParameter(f"no benchmark config for {', '.join(unknown)}; known: "
-                                 f"{', '.join(available('benchmarks'))}")
-    return names
+    deployment, params = (names[0], params) if len(names) == 1 else (SUITE, {**params, "benchmarks": names})
+    runner.run_and_report(stack, deployment, params)
 
 
 @app.command("flush-events")

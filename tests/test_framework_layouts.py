@@ -132,7 +132,8 @@ def test_openrlhf_hf_folders_are_accepted_and_its_deepspeed_states_refused(root)
     assert validate_checkpoint_event(_event(hf, 20), [root]).path == str(hf)
     with pytest.raises(CheckpointError, match="says step 20, the event says step 21"):
         validate_checkpoint_event(_event(hf, 21), [root])
-    with pytest.raises(CheckpointError, match=r"DeepSpeed checkpoint .* `--save_hf_ckpt` \(<ckpt_path>/global_stepN_hf\)"):
+    refusal = r"DeepSpeed checkpoint .* `--save_hf_ckpt` \(<ckpt_path>/global_stepN_hf\)"
+    with pytest.raises(CheckpointError, match=refusal):
         validate_checkpoint_event(_event(ds, 20), [root])
     # the sweeper over the run folder finds the Hugging Face folder and skips the engine states
     assert discover_checkpoints(ckpt_path) == [(20, hf)]

@@ -47,6 +47,19 @@ def progress_every_s() -> float:
     return value
 
 
+def benchmark_names(text: str, error: type[Exception] = ValueError) -> list[str]:
+    """The benchmarks of a comma-separated list (`evaldag run --benchmarks math500,aime24`), each once, in order;
+    `error` naming the problem for an empty list, a malformed name or one without a config."""
+    from evaldag.request.config import available
+    from evaldag.request.rules import check_benchmark_names
+
+    names = check_benchmark_names(list(dict.fromkeys(b.strip() for b in text.split(",") if b.strip())), error)
+    unknown = [n for n in names if n not in available("benchmarks")]
+    if unknown:
+        raise error(f"no benchmark config for {', '.join(unknown)}; known: {', '.join(available('benchmarks'))}")
+    return names
+
+
 def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     """Run eval/<benchmark> with `params` (eval/suite with `benchmarks` in params: one engine load per gpu slot for
     all of them), wait for it, and print each benchmark's metrics and where to look."""
