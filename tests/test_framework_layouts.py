@@ -13,6 +13,7 @@ Shapes: verl's FSDP checkpoint manager (`<default_local_dir>/global_step_N/actor
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,10 @@ def test_verl_shards_without_a_merge_are_refused_naming_the_merger(root):
     assert discover_checkpoints(root) == []
     with pytest.raises(CheckpointError, match="is a verl checkpoint"):
         validate_checkpoint(actor / "huggingface")
+    # a verl that wrote no huggingface/ folder at all: the same advice
+    shutil.rmtree(actor / "huggingface")
+    with pytest.raises(CheckpointError, match=r"is a verl checkpoint.*--target_dir .*actor/huggingface"):
+        validate_checkpoint_event(_event(step_dir, 200), [root])
 
 
 def test_plain_evaldag_run_of_a_verl_model_names_the_job_after_the_run_folder(root):

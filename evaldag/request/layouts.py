@@ -66,7 +66,8 @@ def why_not_hf(folder: Path) -> str | None:
     """When `folder` is a framework's checkpoint without Hugging Face weights: what it is and the setting (or the
     conversion) that makes one; None when it looks like no framework's layout known here."""
     folder = Path(folder)
-    actor = folder.parent if (folder.parent.name, folder.name) == VERL_HF else folder
+    actor = (folder.parent if (folder.parent.name, folder.name) == VERL_HF
+             else folder / VERL_HF[0] if (folder / VERL_HF[0]).is_dir() else folder)
     if any(_VERL_SHARD.fullmatch(f.name) for f in _files(actor, 0)):
         return (f"{actor} is a verl checkpoint: FSDP/Megatron shards, and {actor / VERL_HF[1]} has no weights. "
                 f"Merge them into it (`python -m verl.model_merger merge --backend fsdp --local_dir {actor} "
