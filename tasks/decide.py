@@ -62,23 +62,33 @@ def still_running(futures: Sequence[PrefectWrappedFuture], timeout: float) -> li
 
 
 def decide_while_generating(futures: list[PrefectWrappedFuture], deciders: dict[str, Decider]) -> dict[str, Decision]:
-    """Wait for the shards' futures; meanwhile, every poll_seconds(), let each decider read the new rows, and stop
-    the evaluations it decides (Decider.stop). Returns the decisions reached, by plan path."""
+    """Wait for the shards' futures; meanwhile, every poll_seconds(), let each decider read the new rows: it stops
+    the shards of an evaluation once a round is decided, and its decision is final once the shards have finished
+    that round's prefix. Returns the final decisions, by plan path."""
     log = get_run_logger()
     decided: dict[str, Decision] = {}
     every = poll_seconds()
     while True:
         running = still_running(futures, every)
         for path, decider in list(deciders.items()):
+            asked = decider.stopped_at
             try:
                 decision = decider.poll()
             except Exception as e:  # noqa: BLE001 - a failed read (the store, grading) only delays the verdict
+                if not running:
+                    raise
                 log.warning("decide %s: could not read the shards' rows this time (%s: %s); generation goes on and "
                             "the next poll tries again", decider.plan.benchmark.name, type(e).__name__, e)
                 continue
+            if asked is None and decider.stopped_at is not None:
+                log.info("%s: decided at %d of %d problems; the shards finish that prefix and withdraw the rest",
+                         decider.plan.benchmark.name, decider.stopped_at, len(decider.order))
             if decision is None:
+                if not running and decider.stopped_at is not None:
+                    raise RuntimeError(f"{decider.plan.benchmark.name}: decided on the first {decider.stopped_at} "
+                                       "problems of its decision order, but the shards ended without generating all "
+                                       "of them; run the evaluation again (it generates only what is missing)")
                 continue
-            decider.stop(decision)
             decided[path] = decision
             del deciders[path]
             log.info("%s: %s", decider.plan.benchmark.name, decision.describe())

@@ -12,7 +12,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.deployments import run_deployment
 
-from evaldag.decisions.decide import stop_requested
+from evaldag.decisions.decide import Decision, stop_requested
 from evaldag.runtime.deployments import SHARD_DEPLOYMENT
 from evaldag.errors import CheckpointError
 from evaldag.runtime.liveness import is_lost_run_crash, settled
@@ -81,7 +81,8 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
             log.info("%s shard %d: every stage already in the result store (%s), not launched", plan.benchmark.name,
                      shard_index, graded[path])
     todo = [(path, plan) for path, plan in zip(plan_paths, plans)
-            if graded[path] is None and not stop_requested(plan)]
+            # a decided evaluation's shard still finishes its part of the decided prefix, until the decision is final
+            if graded[path] is None and not (stop_requested(plan) and Decision.load(plan) is not None)]
     if todo:
         _run_shard(todo, shard_index, parent_run_id)
         for path, plan in todo:

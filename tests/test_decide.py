@@ -81,42 +81,63 @@ def test_in_flight_is_the_batch_size_unless_set(setup, monkeypatch):
             decide.in_flight(plan, {"EVALDAG_DECIDE_IN_FLIGHT": bad})
 
 
-def test_a_stopped_shard_keeps_its_rows_and_a_full_evaluation_generates_only_the_rest(streaming, monkeypatch):
-    """The parent's stop (a file in the evaluation's folder) ends the shard's generation: the finished requests are
-    written, nothing is merged, no generations file exists; the full evaluation of the same checkpoint (same
-    generation key) then generates only the requests the stopped one did not, and its rows for the others are
-    the stopped run's."""
+def test_a_stopped_shard_finishes_the_decided_prefix_and_a_full_evaluation_generates_only_the_rest(streaming,
+                                                                                                      monkeypatch):
+    """The parent's stop (a file naming the decided prefix) makes the shard withdraw every request outside the
+    prefix and finish the prefix's own: every sample of the prefix is written, of the others only what finished
+    before the stop, nothing is merged; the full evaluation of the same checkpoint (same generation key) then
+    generates only the samples the stopped one did not, and its rows for the others are the stopped run's."""
     ckpt, _, results = streaming
     monkeypatch.setenv("EVALDAG_DECIDE_IN_FLIGHT", "2")
     monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
     plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
     finished = []
 
     def on_finish(request):
-        finished.append(plan.shard_inputs(0)["sample_id"][request.key])
+        finished.append(request.key)
         if len(finished) == 3:
-            stop_path(plan).parent.mkdir(parents=True, exist_ok=True)
-            stop_path(plan).write_text("{}")
+            store.write_text(stop_path(plan), json.dumps({"problems": 3}))
 
     StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.in_flight = on_finish, 0.6, []
+    StreamingEngine.generated = []
     assert generate_shard(plan, 0) is None
     assert StreamingEngine.in_flight == [2] and stop_requested(plan)
+    assert len(StreamingEngine.submitted[-1]) == 16                     # a request per sample
     assert not plan.generations_path(0).exists()
     chunks = store.chunks_dir(plan.generations_path(0))
     kept = pl.concat([pl.read_parquet(p) for p in store.chunk_files(chunks)])
-    kept_ids = set(kept["sample_id"])
-    assert 3 <= len(kept_ids) < 8 and kept.height == 2 * len(kept_ids)
-    assert set(finished) == kept_ids        # every request that finished is kept, the one that came with the stop too
+    assert kept.select("sample_id", "sample_index").is_unique().all()
+    prefix = set(order[:3])
+    assert kept.filter(pl.col("sample_id").is_in(prefix)).height == 6    # the prefix whole
+    others = kept.filter(~pl.col("sample_id").is_in(prefix)).height
+    assert 0 < others < 10 and kept.height == len(StreamingEngine.generated)   # withdrawn ones were not generated
 
     full = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1,
                                sampling={"n": 2, "temperature": 0.7}, engine="vllm"), results)
     StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.generated = None, 0.0, []
     rows = pl.read_parquet(generate_shard(full, 0))
-    # nothing computed twice: the full evaluation deals each problem's 2 samples as 2 requests (sample_pieces)
-    assert len(StreamingEngine.generated) == 2 * (8 - len(kept_ids))
+    # nothing computed twice: the full evaluation generates the 16 samples less those kept
+    assert len(StreamingEngine.generated) == 16 - kept.height
     assert rows.height == 16 and rows.select("sample_id", "sample_index").is_unique().all()
     cols = ["sample_id", "sample_index", "completion"]
-    assert rows.filter(pl.col("sample_id").is_in(kept_ids)).select(cols).sort(cols).equals(kept.select(cols).sort(cols))
+    kept_keys = kept.select("sample_id", "sample_index")
+    assert (rows.join(kept_keys, on=["sample_id", "sample_index"]).select(cols).sort(cols)
+            .equals(kept.select(cols).sort(cols)))
+
+
+def test_a_shard_relaunched_after_the_stop_generates_only_the_prefix_it_lacks(streaming, monkeypatch):
+    """A shard started when the stop file is already there (its node was lost after the decision) generates only
+    the decided prefix's missing samples."""
+    ckpt, _, results = streaming
+    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
+    store.write_text(stop_path(plan), json.dumps({"problems": 2}))
+    StreamingEngine.on_finish, StreamingEngine.delay, StreamingEngine.generated = None, 0.0, []
+    assert generate_shard(plan, 0) is None
+    kept = pl.concat([pl.read_parquet(p) for p in store.chunk_files(store.chunks_dir(plan.generations_path(0)))])
+    assert sorted(kept["sample_id"].unique()) == sorted(order[:2]) and kept.height == 4
 
 
 def _rows(plan, sample_ids, text):
@@ -127,14 +148,16 @@ def _rows(plan, sample_ids, text):
                         schema=GENERATION_SCHEMA)
 
 
-def test_the_parent_decides_on_the_complete_prefix_at_round_ends_and_reduces_it(setup):
-    """Rows after a gap in the decision order are not read (finished problems are not a random sample); the verdict
-    is read at round ends only, the first decided one stops, and the stopped evaluation's metrics are exactly
-    those of the prefix."""
+def test_the_parent_decides_without_waiting_for_the_longest_answers_and_reduces_the_complete_prefix(setup):
+    """A round decides while one of its problems is still generating (its samples bounded by their extremes), but
+    not where that problem could still change the verdict; the stop file names the round's prefix; the decision
+    is final, and its figures exact, once that problem is in; the stopped evaluation's metrics are exactly those
+    of the prefix."""
     ckpt, _, results = setup
     plan = _decide_plan(ckpt, results, limit=30, decide_rounds=15)       # a verdict every 2 problems
+    n = plan.sampling.n
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
-    incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 30, "score": [1.0] * 30})   # solved every problem
+    incumbent = pl.DataFrame({"sample_id": order, "n": [n] * 30, "score": [1.0] * 30})   # solved every problem
     chunks = store.chunks_dir(plan.generations_path(0))
     wrong = lambda r: "The answer is \\boxed{-12345}."                  # noqa: E731 - never an AIME answer
     graded_calls = []
@@ -143,34 +166,41 @@ def test_the_parent_decides_on_the_complete_prefix_at_round_ends_and_reduces_it(
         graded_calls.append(rows["sample_id"].to_list())
         return stages.grade_rows(plan, rows)
 
-    decider = Decider(plan, incumbent, "job@1", grade)
-    # positions 0-8 and 10-19 done, 9 not yet: the prefix is 9 long, the round ends read are 2, 4, 6, 8
-    write_table(_rows(plan, order[:9] + order[10:20], wrong), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    # the premises, from the confidence sequence on complete data: all wrong, undecided on 9 problems, decided
+    # on 10; and decided on 12 even if problem 3 were right every time, not on 10
     first_decided = next(t for t in range(1, 31) if sequential_verdict(-np.ones(t), 0.05, 0.02).verdict != "undecided")
-    assert first_decided == 10        # the test's premise: undecided on the 9-long prefix
+    assert first_decided == 10
+    best_case = lambda t: np.where(np.arange(t) == 3, 0.0, -1.0)          # noqa: E731
+    assert sequential_verdict(best_case(10), 0.05, 0.02).verdict == "undecided"
+    assert sequential_verdict(best_case(12), 0.05, 0.02).verdict == "worse"
+
+    decider = Decider(plan, incumbent, "job@1", grade)
+    write_table(_rows(plan, order[:3] + order[4:9], wrong), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    assert decider.poll() is None and decider.stopped_at is None and not stop_requested(plan)
+    # everything up to 14 but problem 3, whose answers still run: the round ending at 12 decides anyway
+    write_table(_rows(plan, order[9:14], wrong), chunks / "requests-000002.parquet", GENERATION_SCHEMA)
     assert decider.poll() is None
-    assert len(graded_calls) == 1 and sorted(graded_calls[0]) == sorted(order[:9])
-    write_table(_rows(plan, order[9:10], wrong), chunks / "requests-000002.parquet", GENERATION_SCHEMA)
+    assert decider.stopped_at == 12 and json.loads(stop_path(plan).read_text())["problems"] == 12
+    assert Decision.load(plan) is None                          # not final before problem 3 is in
+    write_table(_rows(plan, order[3:4], wrong), chunks / "requests-000003.parquet", GENERATION_SCHEMA)
     decision = decider.poll()
     assert decision is not None and decision.stopped and decision.verdict == "worse"
-    assert decision.problems == 10 and decision.prefix == order[:10] and decision.pairs == 10
+    assert decision.problems == 12 and decision.prefix == order[:12] and decision.pairs == 12
     assert decision.diff == -1.0 and decision.ci_high < 0
-    # the prefix grew to 20 (10-19 were waiting behind 9); each graded once, the decision at the round end 10
-    assert sorted(graded_calls[1]) == sorted(order[9:20])
-    assert decision.tokens_generated == 20 * 10 and decision.tokens_full_est == 30 * 10
-
-    # a decider started when these rows already exist (another evaluation generated them) reuses them
-    reused = Decider(plan, incumbent, "job@1", grade).poll()
-    assert (reused.problems, reused.tokens_generated, reused.tokens_reused) == (10, 0, 200)
-    assert reused.tokens_saved_est == 100
-
-    decider.stop(decision)
-    assert stop_requested(plan) and Decision.load(plan) == decision
+    assert sorted(sum(graded_calls, [])) == sorted(order[:14] * n)       # each sample graded once
+    assert decision.tokens_generated == 14 * n * 10 and decision.tokens_full_est == 30 * n * 10
+    assert Decision.load(plan) == decision
     metrics = reduce_results(plan, [str(decide.graded_prefix_path(plan))], decision.prefix)
-    assert metrics["n_samples"] == 10 and metrics["accuracy"] == 0.0
-    assert json.loads(plan.path("metrics.json").read_text())["n_samples"] == 10
-    assert decision.metrics()["decide.tokens_saved_est"] == 100
-    assert "worse after 10 of 30 problems" in decision.describe()
+    assert metrics["n_samples"] == 12 * n and metrics["accuracy"] == 0.0
+    assert json.loads(plan.path("metrics.json").read_text())["n_samples"] == 12 * n
+    assert decision.metrics()["decide.tokens_saved_est"] == 16 * n * 10
+    assert "worse after 12 of 30 problems" in decision.describe()
+
+    # a decider of a retry, when these rows exist: it keeps the stop's prefix and reuses the rows
+    reused = Decider(plan, incumbent, "job@1", grade)
+    assert reused.stopped_at == 12
+    again = reused.poll()
+    assert (again.problems, again.tokens_generated, again.tokens_reused) == (12, 0, 14 * n * 10)
 
 
 def test_an_undecided_evaluation_runs_to_the_end(setup):

@@ -303,13 +303,15 @@ class StreamingEngine:
 
     in_flight: list = []        # the max_in_flight each call was given (None: all at once)
 
-    def generate_requests(self, requests, sampling, max_in_flight=None):
+    def generate_requests(self, requests, sampling, max_in_flight=None, hold=None, withdrawn=None):
         from evaldag.engines.base import Finished, Running
 
         type(self).submitted.append([r.key for r in requests])
         type(self).in_flight.append(max_in_flight)
         order = sorted(requests, key=lambda r: (len(r.prompt), r.key))
         for j, r in enumerate(order):
+            if withdrawn is not None and r.key in (withdrawn() or ()):
+                continue        # withdrawn by the caller (an evaluation decided early): never finished
             if j == type(self).crash_after:
                 raise ConnectionError("node lost")
             time.sleep(type(self).delay)

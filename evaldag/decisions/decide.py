@@ -19,6 +19,7 @@ folder, whose eval_key holds the decide settings.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -32,11 +33,12 @@ from upath import UPath
 from evaldag.storage import store
 from evaldag.request.plan import EvalPlan
 from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
-from evaldag.decisions.sequential import sequential_verdict
+from evaldag.decisions.sequential import confidence_sequence, sequential_verdict
+from evaldag.decisions.verdicts import verdict_from_interval
 
-# Requests a shard keeps in its engine at once when the evaluation may stop early: few enough that problems finish
-# near their place in the order (a prefix completes early), enough to keep the engine's batch full. Default: the
-# model's batch_size. Scheduling only: the rows do not depend on it (seeds are per request).
+# Sequences (one request each) a shard keeps in its engine at once when the evaluation may stop early. Default: the
+# model's batch_size x n, what a full evaluation holds. Scheduling only: the rows do not depend on it (seeds are per
+# sample).
 IN_FLIGHT_ENV = "EVALDAG_DECIDE_IN_FLIGHT"
 # How often the parent reads the shards' chunks while they generate.
 POLL_S_ENV, POLL_S = "EVALDAG_DECIDE_POLL_S", 10.0
@@ -58,18 +60,65 @@ def round_ends(n_problems: int, rounds: int) -> list[int]:
 
 
 def in_flight(plan: EvalPlan, environ: dict | None = None) -> int | None:
-    """Requests a shard keeps in its engine at once: None (all) unless the plan may stop early; then
-    $EVALDAG_DECIDE_IN_FLIGHT, default the model's batch_size. Raises ValueError naming a bad value."""
+    """Requests (a sample each) a shard keeps in its engine at once: None (all) unless the plan may stop early;
+    then $EVALDAG_DECIDE_IN_FLIGHT, default the model's batch_size x n. Raises ValueError naming a bad value."""
     if plan.request.decide is None:
         return None
     raw = (os.environ if environ is None else environ).get(IN_FLIGHT_ENV, "").strip()
     try:
-        value = int(raw) if raw else plan.model.batch_size
+        value = int(raw) if raw else plan.model.batch_size * plan.sampling.n
     except ValueError:
         raise ValueError(f"{IN_FLIGHT_ENV}={raw!r} is not an integer (requests in flight per shard)") from None
     if value < 1:
         raise ValueError(f"{IN_FLIGHT_ENV} must be >= 1, got {value}")
     return value
+
+
+# The round gate (RoundGate): a shard hands out the requests of a round only while every round before the previous
+# one is done but for this share of its requests (their longest answers, which the verdict bounds instead of
+# waiting for), and only over the first GATED_SHARE of the rounds: a verdict there saves most, and an evaluation
+# still undecided after them runs at full speed.
+GATE_TOLERANCE, GATE_LOOKAHEAD, GATED_SHARE = 0.05, 1, 0.5
+
+
+class RoundGate:
+    """Which of a shard's requests must wait for now, so that what it generates beyond the round being decided
+    stays small.
+
+    Everything a shard holds in its engine is generated in part, and before this gate a shard with its full batch
+    in flight had generated nearly everything by the time a prefix was complete (bench_decide: 0.99 of the tokens
+    on 8 slots, MATH-500-like at a 32k cap). `rounds_of[k]` is the round (index of the first round end past the
+    problem's place in the decision order) of the k-th request in submission order."""
+
+    def __init__(self, rounds_of: list[int], rounds: int, tolerance: float = GATE_TOLERANCE,
+                 lookahead: int = GATE_LOOKAHEAD, gated_share: float = GATED_SHARE, floor: int = 0) -> None:
+        self.rounds_of, self.floor = rounds_of, floor
+        self.gated = math.ceil(rounds * gated_share)
+        self.tolerance, self.lookahead = tolerance, lookahead
+        self.open: dict[int, int] = {}
+        for q in rounds_of:
+            self.open[q] = self.open.get(q, 0) + 1
+        self.size = dict(self.open)
+
+    def first_open(self) -> int:
+        """The first round more than `tolerance` of whose requests are unfinished (a large number when none)."""
+        return min((q for q, c in self.open.items() if c > self.tolerance * self.size[q]), default=1 << 30)
+
+    def hold(self, k: int, in_flight: int = 0) -> bool:
+        """Whether request k must wait for now, with `in_flight` requests in the engine: never while fewer than
+        `floor` are (a step's cost hardly grows with a few more sequences, so an engine left with a round's last
+        long answers takes more work instead of idling)."""
+        first = self.first_open()
+        return in_flight >= self.floor and first < self.gated and self.rounds_of[k] > first + self.lookahead
+
+    def finished(self, k: int) -> None:
+        self.open[self.rounds_of[k]] -= 1
+
+
+def round_of(ranks: list[int], n_problems: int, rounds: int) -> list[int]:
+    """The round of each decision-order place in `ranks` (0 for the problems before the first round end)."""
+    ends = round_ends(n_problems, rounds)
+    return [bisect.bisect_right(ends, r) for r in ranks]
 
 
 def poll_seconds(environ: dict | None = None) -> float:
@@ -100,6 +149,26 @@ def graded_prefix_path(plan: EvalPlan) -> UPath:
 def stop_requested(plan: EvalPlan) -> bool:
     """Whether the parent has decided this evaluation and asked its shards to stop."""
     return plan.request.decide is not None and stop_path(plan).is_file()
+
+
+def stopped_problems(plan: EvalPlan) -> int | None:
+    """The number of problems of the decision order whose verdict stopped the evaluation (the shards finish those
+    and withdraw the rest), or None while it goes on."""
+    if not stop_requested(plan):
+        return None
+    try:
+        return int(store.read_json(stop_path(plan))["problems"])
+    except FileNotFoundError:
+        return None
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{stop_path(plan)} names no number of problems ({e}); it is written by the evaluation's "
+                         "parent flow: delete it to let the evaluation decide again") from None
+
+
+def stopped_prefix(plan: EvalPlan) -> set[str] | None:
+    """The sample ids a stopped evaluation's shards still generate (its decided prefix), or None while it goes on."""
+    end = stopped_problems(plan)
+    return None if end is None else set(decision_order(plan.sample_ids(), plan.sampling.seed)[:end])
 
 
 @dataclass
@@ -174,10 +243,15 @@ class Decision:
 # ---- the parent's side ------------------------------------------------------------------------------------------
 
 class Decider:
-    """Reads the shards' durable rows, grades the complete prefix of the decision order as it grows, and decides at
-    the ends of rounds. `incumbent`: sample_id and score (per-problem mean correctness) of the evaluation compared
-    with, labelled `vs`. Grading is `grade(rows) -> graded rows` (evaldag.pipeline.stages.grade_rows with the plan's
-    settings)."""
+    """Reads the shards' durable rows as they come, grades them, and decides at the ends of rounds. `incumbent`:
+    sample_id and score (per-problem mean correctness) of the evaluation compared with, labelled `vs`. Grading is
+    `grade(rows) -> graded rows` (evaldag.pipeline.stages.grade_rows with the plan's settings).
+
+    A verdict does not wait for the longest answers: every problem of a round is counted with the samples that
+    finished, each unfinished one bounded by its extremes (right or wrong), and the round decides when the
+    confidence sequence over those ranges does (evaldag.decisions.sequential: it contains the one the complete
+    rows will give). Then the stop file names the round's prefix: the shards withdraw every other request and
+    finish the prefix's own, and the decision is made final on the complete prefix (poll returns it)."""
 
     def __init__(self, plan: EvalPlan, incumbent: pl.DataFrame, vs: str, grade) -> None:
         alpha, margin, rounds = plan.decide_settings
@@ -188,9 +262,10 @@ class Decider:
         self.incumbent = dict(zip(incumbent["sample_id"].to_list(), incumbent["score"].to_list()))
         self._chunks: dict[str, pl.DataFrame] = {}      # chunk path -> rows (a chunk never changes once written)
         self._graded: list[pl.DataFrame] = []
-        self._graded_upto = 0                            # prefix length graded so far
-        self._next_end = 0                               # index into `ends` of the next round to read
-        self._scores: dict[str, float] = {}
+        self._right: dict[str, int] = {}                 # correct samples so far, per problem
+        self._known: dict[str, int] = {}                 # graded samples so far, per problem
+        # a stop an earlier attempt of this evaluation wrote: its prefix is the one the shards finish
+        self.stopped_at: int | None = stopped_problems(plan)
         # rows already in the store (an earlier evaluation's): reused, not generated for this one
         self._reused = self._rows().select("sample_id", "sample_index", "shard_index").unique()
 
@@ -210,41 +285,69 @@ class Decider:
                 frames.append(self._chunks[key])
         return pl.concat(frames) if frames else pl.DataFrame(schema=GENERATION_SCHEMA)
 
-    def _complete_prefix(self, rows: pl.DataFrame) -> int:
+    def _grade_new(self, rows: pl.DataFrame) -> None:
+        """Grade the rows not graded yet (each sample once, whichever copy came first)."""
+        keys = ["sample_id", "sample_index"]
+        fresh = rows.unique(keys, keep="first", maintain_order=True)
+        if self._graded:
+            fresh = fresh.join(pl.concat([g.select(keys) for g in self._graded]), on=keys, how="anti")
+        if not fresh.height:
+            return
+        graded = self._grade(fresh)
+        self._graded.append(graded)
+        for sid, correct in graded.select("sample_id", "correct").iter_rows():
+            self._known[sid] = self._known.get(sid, 0) + 1
+            self._right[sid] = self._right.get(sid, 0) + int(bool(correct))
+
+    def _complete_prefix(self) -> int:
         n = self.plan.sampling.n
-        counts = dict(rows.group_by("sample_id").agg(pl.col("sample_index").n_unique()).iter_rows())
         length = 0
         for sid in self.order:
-            if counts.get(sid, 0) < n:
+            if self._known.get(sid, 0) < n:
                 break
             length += 1
         return length
 
-    def poll(self) -> Decision | None:
-        """Read what is new; the decision when a round's verdict is decided, else None (keep generating)."""
-        rows = self._rows()
-        upto = self._complete_prefix(rows)
-        if upto > self._graded_upto:
-            new = self.order[self._graded_upto:upto]
-            fresh = (rows.filter(pl.col("sample_id").is_in(new))
-                     .unique(["sample_id", "sample_index"], keep="first", maintain_order=True))
-            graded = self._grade(fresh)
-            self._graded.append(graded)
-            for sid, score in graded.group_by("sample_id").agg(pl.col("correct").cast(pl.Float64).mean()).iter_rows():
-                self._scores[sid] = score
-            self._graded_upto = upto
-        while self._next_end < len(self.ends) and self.ends[self._next_end] <= upto:
-            end = self.ends[self._next_end]
-            self._next_end += 1
-            decision = self._decision(end, rows)
-            if decision.verdict != "undecided" and end < len(self.order):
-                decision.status = "stopped"
-                return decision
+    def _decided_end(self) -> int | None:
+        """The first round end (before the last) whose verdict is decided whatever the unfinished samples of its
+        problems turn out to be, or None."""
+        n = self.plan.sampling.n
+        paired = [sid for sid in self.order[:self.ends[-2]] if sid in self.incumbent] if len(self.ends) > 1 else []
+        if not paired:
+            return None
+        right = np.array([self._right.get(sid, 0) for sid in paired], dtype=np.float64)
+        unknown = np.array([n - self._known.get(sid, 0) for sid in paired], dtype=np.float64)
+        score = np.array([self.incumbent[sid] for sid in paired])
+        low, high = confidence_sequence(right / n - score, self.alpha, d_high=(right + unknown) / n - score)
+        at = np.cumsum([sid in self.incumbent for sid in self.order])     # paired problems among the first k + 1
+        for end in self.ends[:-1]:
+            t = int(at[end - 1])
+            if t and verdict_from_interval(float(low[t - 1]), float(high[t - 1]), self.margin) != "undecided":
+                return end
         return None
+
+    def poll(self) -> Decision | None:
+        """Read and grade what is new. Once a round is decided, ask the shards to stop (the stop file); once that
+        round's prefix is complete, return the final decision (kept with the prefix's graded rows), else None."""
+        rows = self._rows()
+        self._grade_new(rows)
+        if self.stopped_at is None:
+            end = self._decided_end()
+            if end is None:
+                return None
+            self.stopped_at = end
+            store.write_text(stop_path(self.plan), json.dumps({"problems": end}))
+        if self._complete_prefix() < self.stopped_at:
+            return None
+        decision = self._decision(self.stopped_at, rows)
+        write_table(self.graded_prefix(decision), graded_prefix_path(self.plan), GRADED_SCHEMA)
+        decision.save(self.plan)
+        return decision
 
     def _decision(self, end: int, rows: pl.DataFrame, status: str = "stopped") -> Decision:
         prefix = self.order[:end]
-        d = np.array([self._scores[sid] - self.incumbent[sid] for sid in prefix if sid in self.incumbent])
+        n = self.plan.sampling.n
+        d = np.array([self._right[sid] / n - self.incumbent[sid] for sid in prefix if sid in self.incumbent])
         v = sequential_verdict(d, self.alpha, self.margin)
         keys = ["sample_id", "sample_index", "shard_index"]
         rows = rows.unique(keys)
@@ -254,7 +357,7 @@ class Decider:
         # random sample of the problems, unlike the finished ones)
         in_prefix = rows.filter(pl.col("sample_id").is_in(prefix))
         per_sample = float(in_prefix["completion_tokens"].mean() or 0.0) if in_prefix.height else 0.0
-        missing = max(0, len(self.order) * self.plan.sampling.n - rows.height)
+        missing = max(0, len(self.order) * n - rows.unique(["sample_id", "sample_index"]).height)
         return Decision(status, v.verdict, self.vs, end, len(self.order), int(d.size), v.mean, v.ci_low, v.ci_high,
                         self.alpha, self.margin, generated, reused,
                         round(generated + reused + per_sample * missing), prefix)
@@ -264,22 +367,17 @@ class Decider:
         graded = pl.concat(self._graded) if self._graded else pl.DataFrame(schema=GRADED_SCHEMA)
         return graded.filter(pl.col("sample_id").is_in(decision.prefix))
 
-    def stop(self, decision: Decision) -> None:
-        """Keep the prefix's graded rows and the decision, then ask the shards to stop (in this order: a parent that
-        dies in between finds the decision again on its retry)."""
-        write_table(self.graded_prefix(decision), graded_prefix_path(self.plan), GRADED_SCHEMA)
-        decision.save(self.plan)
-        store.write_text(stop_path(self.plan), json.dumps({"verdict": decision.verdict,
-                                                          "problems": decision.problems}))
-
     def final(self, samples: pl.DataFrame) -> Decision:
         """The decision of an evaluation that ran to the end without stopping: the verdict over every problem, from
         its graded samples (sample_id, sample_index, shard_index, correct, completion_tokens)."""
-        scores = samples.group_by("sample_id").agg(pl.col("correct").cast(pl.Float64).mean())
-        self._scores.update(dict(scores.iter_rows()))
+        samples = samples.unique(["sample_id", "sample_index"], keep="first")
+        counts = samples.group_by("sample_id").agg(pl.col("correct").cast(pl.Int64).sum().alias("right"),
+                                                   pl.len().alias("known"))
+        for sid, right, known in counts.iter_rows():
+            self._right[sid], self._known[sid] = int(right), int(known)
         rows = samples.select("sample_id", "sample_index", "shard_index", "completion_tokens")
         return self._decision(len(self.order), rows, status="completed")
 
 
 __all__ = ["Decider", "Decision", "decision_order", "graded_prefix_path", "in_flight", "poll_seconds",
-           "round_ends", "stop_path", "stop_requested"]
+           "round_ends", "stop_path", "stop_requested", "stopped_prefix", "stopped_problems", "RoundGate", "round_of"]

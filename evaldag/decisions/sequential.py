@@ -48,23 +48,35 @@ class SequentialVerdict:
 
 
 def confidence_sequence(d: np.ndarray, alpha: float = 0.05, grid_size: int = 401, c: float = 0.5,
-                        tune_at: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                        tune_at: int | None = None, d_high: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Betting confidence sequence for the mean of observations in [-1, 1], at every time.
 
     `d`: shape (T,) or (runs, T), one row per independent sequence (vectorised for simulations). Returns (low,
     high), each of d's shape: the interval after 1, 2, ..., T observations, valid simultaneously over all times with
     probability >= 1 - alpha. `c` caps the bets (WSR suggest 1/2 or 3/4); `tune_at` tunes the bets to be sharpest
     near that many observations (e.g. half the problems, where one hopes to stop), otherwise the bets shrink like
-    1 / sqrt(t log t), good at every time."""
+    1 / sqrt(t log t), good at every time.
+
+    `d_high`: where some observations are known only to lie in a range (a problem whose longest samples still
+    run: its unfinished samples may still be right or wrong), `d` holds each one's lowest value and `d_high` its
+    highest (equal where known). The result then contains the interval the exact observations would give, whatever
+    they turn out to be: a candidate mean is dropped only where every value in the ranges rejects it (each bet's
+    capital is bounded below over the ranges, and so is the bet size, whose variance estimate is bounded by
+    interval arithmetic). So a verdict read on it is one the complete data would give at that time, and it stays
+    valid at level alpha at any time it is read."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    d = np.asarray(d, dtype=np.float64)
-    single = d.ndim == 1
-    d2 = d[None, :] if single else d
-    if d2.size and (np.nanmax(np.abs(d2)) > 1 + 1e-12):
+    lo_d = np.asarray(d, dtype=np.float64)
+    hi_d = lo_d if d_high is None else np.asarray(d_high, dtype=np.float64)
+    if hi_d.shape != lo_d.shape or np.any(hi_d < lo_d):
+        raise ValueError("d_high must have d's shape and be >= d everywhere")
+    single = lo_d.ndim == 1
+    lo2, hi2 = (lo_d[None, :], hi_d[None, :]) if single else (lo_d, hi_d)
+    if lo2.size and (np.nanmax(np.abs(lo2)) > 1 + 1e-12 or np.nanmax(np.abs(hi2)) > 1 + 1e-12):
         raise ValueError("observations must lie in [-1, 1]")
-    runs, horizon = d2.shape
-    x = np.clip((d2 + 1) / 2, 0.0, 1.0)
+    runs, horizon = lo2.shape
+    x_lo = np.clip((lo2 + 1) / 2, 0.0, 1.0)
+    x_hi = np.clip((hi2 + 1) / 2, 0.0, 1.0)
     m = np.linspace(0.0, 1.0, grid_size)                   # candidate means of x
     step = m[1] - m[0]
     with np.errstate(divide="ignore"):
@@ -76,33 +88,45 @@ def confidence_sequence(d: np.ndarray, alpha: float = 0.05, grid_size: int = 401
     threshold = math.log(1 / alpha) + math.log(2)           # max(K+/2, K-/2) >= 1/alpha
     low = np.empty((runs, horizon))
     high = np.empty((runs, horizon))
-    # WSR's predictable plug-ins: mean and variance estimates with a prior pseudo-observation (1/2, 1/4)
-    mu_hat = np.full(runs, 0.5)
-    sq_sum = np.full(runs, 0.25)
-    x_sum = np.full(runs, 0.5)
+    # WSR's predictable plug-ins: mean and variance estimates with a prior pseudo-observation (1/2, 1/4), each as
+    # a range [lo, hi] over the observations' ranges (a point where everything is known)
+    mu = (np.full(runs, 0.5), np.full(runs, 0.5))
+    sq = (np.full(runs, 0.25), np.full(runs, 0.25))
+    xs = (np.full(runs, 0.5), np.full(runs, 0.5))
     for t in range(horizon):
-        var_hat = sq_sum / (t + 1)                           # uses x_1..x_{t} only (t observations so far)
         denom = tune_at if tune_at is not None else (t + 1) * math.log(t + 2)
-        lam = np.sqrt(2 * math.log(2 / alpha) / (var_hat * denom))   # capped per candidate below
-        xt = x[:, t:t + 1]
-        lp = np.minimum(lam[:, None], cap_plus[None, :])
-        lm = np.minimum(lam[:, None], cap_minus[None, :])
-        log_kp += np.log1p(lp * (xt - m[None, :]))
-        log_km += np.log1p(-lm * (xt - m[None, :]))
+        # a smaller variance estimate makes a larger bet: lam_hi from sq's low end
+        lam_lo, lam_hi = (np.sqrt(2 * math.log(2 / alpha) / (v / (t + 1) * denom)) for v in (sq[1], sq[0]))
+        xl, xh = x_lo[:, t:t + 1], x_hi[:, t:t + 1]
+        # the least capital over the ranges: K+ grows with x, so its lowest x; a winning bet (x >= m) at its
+        # smallest size, a losing one at its largest; K- the mirror image
+        up = xl >= m[None, :]
+        lp = np.minimum(np.where(up, lam_lo[:, None], lam_hi[:, None]), cap_plus[None, :])
+        log_kp += np.log1p(lp * (xl - m[None, :]))
+        down = xh <= m[None, :]
+        lm = np.minimum(np.where(down, lam_lo[:, None], lam_hi[:, None]), cap_minus[None, :])
+        log_km += np.log1p(-lm * (xh - m[None, :]))
         alive &= np.maximum(log_kp, log_km) < threshold
         # bounds of the surviving candidates, one grid step wider (a true mean between two grid points)
         any_alive = alive.any(axis=1)
         first = np.argmax(alive, axis=1)
         last = grid_size - 1 - np.argmax(alive[:, ::-1], axis=1)
-        x_sum += x[:, t]
-        mean_now = x_sum / (t + 2)
-        lo_x = np.where(any_alive, m[first] - step, mean_now)   # nothing left (prob <= alpha): a point, not NaN
-        hi_x = np.where(any_alive, m[last] + step, mean_now)
+        xs = (xs[0] + x_lo[:, t], xs[1] + x_hi[:, t])
+        lo_x = np.where(any_alive, m[first] - step, xs[0] / (t + 2))   # nothing left (prob <= alpha): the
+        hi_x = np.where(any_alive, m[last] + step, xs[1] / (t + 2))    # mean's range, not NaN
         low[:, t] = 2 * np.clip(lo_x, 0, 1) - 1
         high[:, t] = 2 * np.clip(hi_x, 0, 1) - 1
-        sq_sum += (x[:, t] - mu_hat) ** 2
-        mu_hat = x_sum / (t + 2)
+        sq = _square_range(x_lo[:, t], x_hi[:, t], mu, sq)
+        mu = (xs[0] / (t + 2), xs[1] / (t + 2))
     return (low[0], high[0]) if single else (low, high)
+
+
+def _square_range(x_lo: np.ndarray, x_hi: np.ndarray, mu: tuple[np.ndarray, np.ndarray],
+                  sq: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The running sum of (x - mu)^2 as a range, given x in [x_lo, x_hi] and mu in `mu`'s range."""
+    gap = np.maximum(0.0, np.maximum(x_lo - mu[1], mu[0] - x_hi))          # 0 where the ranges overlap
+    far = np.maximum(np.abs(x_lo - mu[1]), np.abs(x_hi - mu[0]))
+    return sq[0] + gap ** 2, sq[1] + far ** 2
 
 
 def sequential_verdict(d: np.ndarray, alpha: float = 0.05, margin: float = 0.02, **cs_options) -> SequentialVerdict:

@@ -28,12 +28,12 @@ setup` installs the one that fits the host). Choices, and why:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import hashlib
-import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 
 from evaldag.request.config import SamplingConfig
@@ -165,22 +165,30 @@ class VLLMEngine(EngineBase):
                     yield b, [done[k] for k in range(sizes[b])]
 
     def generate_requests(self, requests: list[Request], sampling: SamplingConfig,
-                          report_s: float = 2.0, max_in_flight: int | None = None) -> Iterator[Event]:
+                          report_s: float = 2.0, max_in_flight: int | None = None,
+                          hold: Callable[[int], bool] | None = None,
+                          withdrawn: Callable[[], Collection] | None = None) -> Iterator[Event]:
         """Every request into the engine at once (continuous batching over all of them); yields a Finished as each
         request finishes, and every `report_s` seconds at most a Running with the tokens the unfinished requests
         have generated so far (None where vLLM does not say). A completion's latency_s is its own request's: from the engine step in which it
         produced its first token (its prefill included) to the step that finished it, not its time in the queue.
         Closing the iterator early aborts the requests still in the engine, so an engine kept loaded for a retry
-        starts it empty. `max_in_flight`: at most this many requests in the engine at once, the next one added as one
-        finishes, so requests finish near their order (an evaluation that may stop early, evaldag.decisions.decide)."""
+        starts it empty.
+
+        Pacing, for an evaluation that may stop early (evaldag.decisions.decide): `max_in_flight`, at most this many
+        requests in the engine at once, the next added as one finishes; `hold(k)`, whether the k-th request (in
+        order) must wait for now (asked before each step; the caller's answer may change as requests finish);
+        `withdrawn()`, the keys of requests no longer wanted (asked before each step): aborted if running, never
+        started otherwise, and never reported."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         engine = self.llm.llm_engine
         ids = self._prompt_ids([r.prompt for r in requests]) if requests else []
         waiting: dict[str, int] = {}            # vLLM request id -> index into requests
-        queued = iter(range(len(requests)))
+        queued = collections.deque(range(len(requests)))
         window = len(requests) if max_in_flight is None else max(1, max_in_flight)
+        dropped: Collection = ()
 
         def add(i: int) -> None:
             params = self._sampling_params(sampling, requests[i].seed, requests[i].n)
@@ -190,9 +198,25 @@ class VLLMEngine(EngineBase):
             engine.add_request(rid, TokensPrompt(prompt_token_ids=ids[i]), params)
             waiting[rid] = i
 
+        def top_up() -> None:
+            nonlocal dropped
+            now = withdrawn() if withdrawn is not None else ()
+            if now and now is not dropped:
+                dropped = now
+                gone = [rid for rid, i in waiting.items() if requests[i].key in dropped]
+                if gone:
+                    engine.abort_request(gone)
+                    for rid in gone:
+                        del waiting[rid]
+                kept = [i for i in queued if requests[i].key not in dropped]
+                queued.clear()
+                queued.extend(kept)
+            # a held request waits on others still running; with none running nothing could release it
+            while queued and len(waiting) < window and (not waiting or hold is None or not hold(queued[0])):
+                add(queued.popleft())
+
         try:
-            for i in itertools.islice(queued, window):
-                add(i)
+            top_up()
             submitted = time.perf_counter()
             started: dict[str, float] = {}      # request id -> start of the step that gave its first token
             last_report = submitted
@@ -205,8 +229,6 @@ class VLLMEngine(EngineBase):
                     if not out.finished or out.request_id not in waiting:
                         continue
                     i = waiting.pop(out.request_id)
-                    for nxt in itertools.islice(queued, 1):
-                        add(nxt)
                     latency = time.perf_counter() - started.pop(out.request_id, submitted)
                     yield Finished(requests[i].key,
                                    self._completions(ids[i], out, latency, len(requests)))
@@ -214,6 +236,7 @@ class VLLMEngine(EngineBase):
                     last_report = time.perf_counter()
                     counts, held = _running_counts(engine)
                     yield Running(None if counts is None else sum(counts), counts, held)
+                top_up()
             if waiting:
                 raise RuntimeError(f"vLLM stopped with {len(waiting)} requests unfinished")
         finally:

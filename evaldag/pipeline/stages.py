@@ -213,8 +213,7 @@ class _ShardRun:
         if self.plan.request.decide is None or time.perf_counter() - self._stop_checked < 1.0:
             return False
         self._stop_checked = time.perf_counter()
-        self.stopped = decide.stop_requested(self.plan)
-        return self.stopped
+        return decide.stop_requested(self.plan)
 
     def decision_rank(self) -> dict[str, int]:
         """Each problem's place in the evaluation's decision order (evaldag.decisions.decide), the same on every shard."""
@@ -274,6 +273,11 @@ class _PerBatch(_ShardRun):
             self.batches = self._along_the_decision_order(self.batches)
         self.todo = [(b, [self.prompts[i] for i in idx]) for b, idx in enumerate(self.batches)
                      if not self._chunk(b).is_file()]
+        if (prefix := decide.stopped_prefix(self.plan)) is not None:
+            # decided already (a relaunch after the stop): only the batches of its decided prefix are wanted
+            self.todo = [(b, p) for b, p in self.todo if any(self.records[i]["sample_id"] in prefix
+                                                             for i in self.batches[b])]
+            self.stopped = True
         todo_ids = {b for b, _ in self.todo}
         self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
         self.samples_done = sum(self.runs[i][1] for b, idx in enumerate(self.batches) if b not in todo_ids
@@ -297,12 +301,25 @@ class _PerBatch(_ShardRun):
         return self.chunks / f"batch-{b:05d}-of-{len(self.batches):05d}.parquet"
 
     def generate(self) -> None:
-        t1, left = time.perf_counter(), len(self.todo)
+        t1 = time.perf_counter()
         self.report(force=True)
+        todo = self._run(self.todo, t1)
+        if todo:
+            # the parent decided the evaluation: only the batches holding problems of its decided prefix go on
+            prefix = decide.stopped_prefix(self.plan) or set()
+            self.stopped = True
+            self._run([(b, prompts) for b, prompts in todo
+                       if any(self.records[i]["sample_id"] in prefix for i in self.batches[b])], t1)
+        self.seconds = time.perf_counter() - t1
+
+    def _run(self, todo: list, t1: float) -> list:
+        """Generate the batches `todo`, each written as it completes; returns those not generated because the
+        parent stopped the evaluation meanwhile (none when it did not)."""
+        left = len(todo)
         sampling = self.plan.shard_sampling(self.shard)      # a random stream of its own per shard
         # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
         # loaded for the retry (engines.keep_loaded)
-        with contextlib.closing(self.engine.generate_batches(self.todo, sampling)) as stream:
+        with contextlib.closing(self.engine.generate_batches(todo, sampling)) as stream:
             for b, completions in stream:
                 rows = [r for i, comps in zip(self.batches[b], completions) for r in self.rows(i, comps)]
                 write_table(pl.DataFrame(rows, schema=GENERATION_SCHEMA), self._chunk(b), GENERATION_SCHEMA)
@@ -314,11 +331,12 @@ class _PerBatch(_ShardRun):
                 left -= 1
                 self.report(force=True)         # a batch is minutes of work: every one is news
                 self.log_rate(f"batch {b + 1} of {len(self.batches)} done ({left} left)")
-                if left and self.stop_asked():
-                    break
+                if left and not self.stopped and self.stop_asked():
+                    written = {b for b in range(len(self.batches)) if self._chunk(b).is_file()}
+                    return [(b, prompts) for b, prompts in todo if b not in written]
                 if left:
                     faults.maybe_fail("generate")
-        self.seconds = time.perf_counter() - t1
+        return []
 
 
 class _PerRequest(_ShardRun):
@@ -332,13 +350,19 @@ class _PerRequest(_ShardRun):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         written, self.resumed_tokens = _written_samples(self.chunks)
-        # an evaluation that may stop early decides on whole problems, taken along its decision order
-        dealt = (self.plan.request.decide is None
-                 and splits_samples(self.plan.resolved_model.engine, self.plan.sampling.n))
-        # the requests (problem, first sample, samples, round), keyed by their place here: for a fresh shard that is
-        # not dealt, request k is problem k
-        self.pieces = _missing_requests(sample_pieces(self.runs, SAMPLE_ROUNDS if dealt else 1),
-                                        [r["sample_id"] for r in self.records], written, one_per_sample=dealt)
+        # a request per sample where the engine seeds them alone: dealt round by round, or, for an evaluation that
+        # may stop early, in its decision order (its verdict hears each sample as it ends)
+        per_sample = splits_samples(self.plan.resolved_model.engine, self.plan.sampling.n)
+        deciding = self.plan.request.decide is not None
+        # the requests (problem, first sample, samples, round), keyed by their place here: for a fresh shard with
+        # one request per problem, request k is problem k
+        pieces = sample_pieces(self.runs, 1 if deciding or not per_sample else SAMPLE_ROUNDS)
+        if (prefix := decide.stopped_prefix(self.plan)) is not None:
+            # the evaluation was decided: only the decided prefix's samples are still wanted (a relaunch after it)
+            pieces = [p for p in pieces if self.records[p[0]]["sample_id"] in prefix]
+            self.stopped = True
+        self.pieces = _missing_requests(pieces, [r["sample_id"] for r in self.records], written,
+                                        one_per_sample=per_sample)
         self.todo = list(range(len(self.pieces)))
         self._left = [0] * len(self.prompts)        # each problem's requests not finished
         for i, _, _, _ in self.pieces:
@@ -359,6 +383,9 @@ class _PerRequest(_ShardRun):
         self._window = self._finished_here = 0
         self._pending_requests = 0
         self._pending_since = 0.0
+        self._gate: decide.RoundGate | None = None      # pacing of an evaluation that may stop early
+        self._position: dict[int, int] = {}
+        self._withdrawn: frozenset | None = None
 
     def generate(self) -> None:
         from evaldag.engines.base import Finished, Request, request_seed
@@ -381,7 +408,7 @@ class _PerRequest(_ShardRun):
         rank = self.decision_rank()
         requests.sort(key=lambda r: (self.pieces[r.key][3], rank[self.records[self.pieces[r.key][0]]["sample_id"]]))
         window = decide.in_flight(self.plan)
-        options = {} if window is None else {"max_in_flight": window}
+        options = {} if window is None else self._pacing(requests, window, rank)
         # the engine takes requests in this order, `window` at a time (all when None), the next as one finishes
         sizes = [r.n or self.plan.sampling.n for r in requests]
         self._unsubmitted = [sum(sizes[k:]) for k in range(len(sizes) + 1)]     # sequences from request k on
@@ -396,6 +423,8 @@ class _PerRequest(_ShardRun):
                 for event in events:
                     if isinstance(event, Finished):
                         self._finished(event.key, event.completions)
+                        if self._gate is not None:
+                            self._gate.finished(self._position[event.key])
                     elif event.tokens is not None:
                         self.running_tokens, self.running_counts = event.tokens, event.counts
                         self.engine_queued = event.queued
@@ -406,9 +435,9 @@ class _PerRequest(_ShardRun):
                         if self.done < len(self.prompts):
                             faults.maybe_fail("generate")
                     self.report()
-                    # after the event: a request that finished is kept (its tokens are spent) before the stop
-                    if self.stop_asked():
-                        break
+                    # the decided prefix's requests go on, the others are withdrawn (the engine drops them)
+                    if self._withdrawn is None and self.stop_asked():
+                        self._withdraw()
         except BaseException:
             # a failure the process survives (engine error, Ctrl-C) keeps what finished before it for the retry;
             # a failed write must not hide the failure itself
@@ -419,6 +448,24 @@ class _PerRequest(_ShardRun):
         self.seconds = time.perf_counter() - t1
         self.running_tokens, self.running_counts, self.engine_queued = 0, (), 0
         self.report(force=True)
+
+    def _pacing(self, requests: list, window: int, rank: dict[str, int]) -> dict:
+        """The engine options of an evaluation that may stop early (evaldag.decisions.decide): `window` requests in
+        flight, held back by the round gate, and withdrawn once the parent stops it."""
+        self._position = {r.key: k for k, r in enumerate(requests)}
+        _, _, rounds = self.plan.decide_settings
+        places = [rank[self.records[self.pieces[r.key][0]]["sample_id"]] for r in requests]
+        self._gate = decide.RoundGate(decide.round_of(places, len(rank), rounds), rounds)
+        return {"max_in_flight": window, "hold": self._gate.hold, "withdrawn": lambda: self._withdrawn}
+
+    def _withdraw(self) -> None:
+        """The parent decided the evaluation: withdraw every request outside its decided prefix."""
+        prefix = decide.stopped_prefix(self.plan) or set()
+        self._withdrawn = frozenset(k for k, (i, _, _, _) in enumerate(self.pieces)
+                                    if self.records[i]["sample_id"] not in prefix)
+        self.stopped = bool(self._withdrawn) or self.stopped
+        log.info("shard %d: the evaluation is decided; %d requests outside its prefix withdrawn, its own go on",
+                 self.shard, len(self._withdrawn))
 
     def not_started(self) -> int | None:
         """The sequences not started yet: those of the requests not handed to the engine, and those the engine

@@ -232,6 +232,34 @@ def test_requests_stream_one_by_one_with_their_own_latency(engine):
     assert ok.latency_s < 0.75 * essay.latency_s and essay.latency_s <= essay_t, (ok.latency_s, essay.latency_s)
 
 
+def test_held_requests_wait_and_withdrawn_ones_are_aborted_or_never_started(engine):
+    """The pacing of an evaluation that may stop early (evaldag.decisions.decide): a held request goes in only once
+    the caller releases it, and once the caller withdraws keys the engine aborts those running and never starts
+    those queued; neither is reported, the others finish."""
+    from evaldag.engines.base import Finished, Request
+
+    sampling = SamplingConfig(max_new_tokens=160)
+    requests = [Request("ok", "Say OK.", 1), Request("essay", PROMPTS[1], 2), Request("capital", PROMPTS[4], 3),
+                Request("later", PROMPTS[0], 4)]
+    released, withdrawn, seen = set(), frozenset(), []
+
+    def hold(k: int) -> bool:
+        return requests[k].key == "capital" and "capital" not in released
+
+    for event in engine.generate_requests(requests, sampling, max_in_flight=2, hold=hold,
+                                          withdrawn=lambda: withdrawn, report_s=0.0):
+        if not isinstance(event, Finished):
+            continue
+        seen.append(event.key)
+        if event.key == "ok":
+            # "capital" was held while "ok" ran (only it and the essay were in), "later" still queued behind it
+            assert engine.llm.llm_engine.get_num_unfinished_requests() == 1
+            released.add("capital")
+            withdrawn = frozenset({"essay", "later"})
+    assert seen == ["ok", "capital"], seen
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
 def test_running_reports_count_only_started_sequences_and_say_how_many_wait(engine):
     """More sequences than vLLM runs at once (max_num_seqs): the Running reports count the started ones only and
     give the rest as queued, so the forecast of the end (evaldag.pipeline.time_left) sees the engine's real

@@ -1,0 +1,176 @@
+"""Tokens a sequential decision costs at GPU scale: a simulation of how evaldag.decisions.decide runs it on slots
+(one shard per slot), used by bench_decide.py.
+
+Model (stated, not fitted). Problems and solve rates as bench_decide.py's (MATH-500's levels); checkpoint B's
+samples get lengths: a problem effect (harder problems, longer answers) and a sample effect, log-normal, wrong
+answers 1.6x longer, capped at 32,768 tokens, and a sample at the cap is wrong (truncated). Scales: MATH-500-like
+(mean ~4.1k sampled tokens, AReaL's figure) and AIME-like (mean ~13.7k, many at the cap). An engine slot runs its
+sequences one token a step each; a step takes STEP_BASE + STEP_PER_SEQ x running sequences (a GPU decode step:
+memory-bound, a few times faster per sequence when many run together), which gives the wall time.
+
+Two policies:
+- before: a request per problem (its n samples, seen when the last ends), `window` requests in flight per shard,
+  decided only on the complete prefix of the decision order (evaldag before issue 37);
+- after (what decide.py does now): a request per sample in the decision order, the engine's batch in flight but
+  paced by the round gate (decide.RoundGate: a round's requests wait while the round before the previous one
+  still has more than 5 % of its requests running, over the first half of the rounds), the verdict read on the
+  confidence sequence whose unfinished samples are bounded by their extremes, and at the stop every request
+  outside the decided prefix aborted while the prefix's own finish.
+Tokens counted: every token generated, the partial ones of aborted requests included.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+
+import numpy as np
+
+from evaldag.decisions.decide import RoundGate, round_of
+from evaldag.decisions.sequential import confidence_sequence, stopping_times
+from evaldag.decisions.verdicts import verdict_from_interval
+
+CAP = 32_768
+FLOOR = 0.0
+STEP_BASE, STEP_PER_SEQ = 1.0, 1 / 128          # a step with 128 sequences takes twice one with a single sequence
+SCALES = {"MATH-500-like": (2_600.0, 0.75), "AIME-like": (9_000.0, 0.85)}   # median scale, sample sigma
+
+
+def lengths_and_correct(rng: np.random.Generator, p: np.ndarray, n: int, scale: str) -> tuple[np.ndarray, np.ndarray]:
+    """(problems, n) lengths and correctness of the candidate's samples, solve rates `p` (problems,)."""
+    median, sigma = SCALES[scale]
+    correct = rng.random((p.size, n)) < p[:, None]
+    mu = math.log(median) + 1.2 * (0.5 - p) + 0.35 * rng.standard_normal(p.size)
+    length = np.exp(mu[:, None] + sigma * rng.standard_normal((p.size, n))) * np.where(correct, 1.0, 1.6)
+    length = np.minimum(np.ceil(length), np.where(correct, CAP - 1, CAP))     # at the cap: wrong (truncated)
+    return length.astype(np.int64), correct
+
+
+def shard_of(problems: int, shards: int, rng: np.random.Generator) -> np.ndarray:
+    """Each problem's shard: contiguous near-equal slices of the benchmark's (shuffled) order, as plans cut them."""
+    return np.repeat(np.arange(shards), np.diff(np.linspace(0, problems, shards + 1).round().astype(int)))[
+        rng.permutation(problems)]
+
+
+def run_slot(units: list[list[tuple[int, int]]], length: np.ndarray, window: int, gate=None) -> tuple[dict, list]:
+    """Simulate one slot as vLLM runs a shard: its requests `units` (each a list of (rank, sample)) taken in order,
+    at most `window` in flight, the next one held while `gate.hold(k)` says so (evaldag.decisions.decide.RoundGate,
+    told of every finished request). Returns {(rank, sample): (start, end, seen)} (seen: when its request ends,
+    which is when vLLM reports it) and the slot's (step, running sequences) changes."""
+    heap: list[tuple[int, int, int]] = []     # (end of a sequence, request, sample)
+    left: dict[int, int] = {}                # request -> sequences still running
+    pending: dict[int, list] = {}
+    times: dict[tuple[int, int], tuple[int, int, int]] = {}
+    now, nxt, running, curve = 0, 0, 0, []
+    while nxt < len(units) or heap:
+        while nxt < len(units) and len(left) < window and (not left or gate is None or not gate.hold(nxt, len(left))):
+            left[nxt], pending[nxt] = len(units[nxt]), []
+            for rank, k in units[nxt]:
+                heapq.heappush(heap, (now + int(length[rank, k]), nxt, k))
+                pending[nxt].append((rank, k, now, now + int(length[rank, k])))
+            running += len(units[nxt])
+            nxt += 1
+        curve.append((now, running))
+        now, req, _ = heapq.heappop(heap)
+        running -= 1
+        left[req] -= 1
+        if not left[req]:
+            del left[req]
+            for rank, k, start, end in pending.pop(req):
+                times[(rank, k)] = (start, end, now)
+            if gate is not None:
+                gate.finished(req)
+    curve.append((now, 0))
+    return times, curve
+
+
+def tokens_until(times: dict, t: float) -> int:
+    """Tokens generated by step t (the partial ones of running sequences included)."""
+    return int(sum(max(0, min(end, t) - start) for start, end, _ in times.values()))
+
+
+def cost_until(curve: list, t: float) -> float:
+    """The slot's busy time until step t, each step priced STEP_BASE + STEP_PER_SEQ x running."""
+    total = 0.0
+    for (a, run), (b, _) in zip(curve, curve[1:]):
+        if a >= t:
+            break
+        if run:
+            total += (min(b, t) - a) * (STEP_BASE + STEP_PER_SEQ * run)
+    return total
+
+
+def simulate_run(rng: np.random.Generator, p_a: np.ndarray, p_b: np.ndarray, n: int, scale: str, shards: int,
+                 policy: str, budget: int, alpha: float, margin: float, rounds: int, poll: int) -> dict:
+    """One evaluation decided against an incumbent: its problems already in the decision order (row = rank).
+    Returns tokens generated until the stop (prefix stragglers finishing included) over the full evaluation's
+    tokens, the same for the wall-time proxy, where it stopped and its verdict."""
+    problems = p_a.size
+    score_a = rng.binomial(n, p_a) / n
+    length, correct = lengths_and_correct(rng, p_b, n, scale)
+    owner = shard_of(problems, shards, rng)
+    ends = sorted({math.ceil(problems * r / rounds) for r in range(1, rounds + 1)})
+    times: dict = {}
+    walls = []
+    for s in range(shards):
+        ranks = np.flatnonzero(owner == s)            # ascending: the decision order
+        if policy == "before":
+            units = [[(int(r), k) for k in range(n)] for r in ranks]
+            t, curve = run_slot(units, length, budget // n)      # requests of n samples: the engine's batch
+        else:
+            units = [[(int(r), k)] for r in ranks for k in range(n)]
+            gate = RoundGate(round_of([u[0][0] for u in units], problems, rounds), rounds, floor=int(budget * FLOOR))
+            t, curve = run_slot(units, length, budget, gate)
+        times.update(t)
+        walls.append(curve)
+    start = np.zeros((problems, n)); end = np.zeros((problems, n)); seen = np.zeros((problems, n))
+    for (r, k), (a, b, c) in times.items():
+        start[r, k], end[r, k], seen[r, k] = a, b, c
+    full_tokens = float(length.sum())
+    finish = float(seen.max())
+    stop_t, stop_r, verdict = finish, problems, "undecided"
+    if policy in ("before", "complete"):
+        d = correct.mean(axis=1) - score_a
+        at, v = stopping_times(d[None, :], ends, alpha, margin)
+        if at[0] < problems:
+            stop_r, verdict = int(at[0]), str(v[0])
+            stop_t = math.ceil(seen[:stop_r].max() / poll) * poll
+    else:
+        for t in range(poll, int(finish) + poll, poll):
+            known = seen <= t
+            c = (correct & known).sum(axis=1) / n
+            u = (~known).sum(axis=1) / n
+            # a shortcut of the simulation only: no round with over 15 % of its samples unknown is looked at (the
+            # bounds are then far too wide to decide), which spares most confidence sequences
+            share = np.cumsum(u) / np.arange(1, problems + 1)
+            usable = [e for e in ends[:-1] if share[e - 1] <= 0.15]
+            if not usable:
+                continue
+            top = usable[-1]
+            low, high = confidence_sequence(c[:top] - score_a[:top], alpha, d_high=c[:top] + u[:top] - score_a[:top])
+            hit = next((e for e in usable if verdict_from_interval(low[e - 1], high[e - 1], margin) != "undecided"),
+                       None)
+            if hit is not None:
+                stop_t, stop_r = t, hit
+                verdict = verdict_from_interval(low[hit - 1], high[hit - 1], margin)
+                break
+    outside = np.arange(problems)[:, None] >= stop_r
+    partial = np.clip(np.minimum(end, stop_t) - start, 0, None)
+    tokens = float(np.where(outside, partial, length).sum()) if stop_r < problems else full_tokens
+    prefix_end = float(end[:stop_r].max()) if stop_r < problems else finish
+    wall = max(cost_until(c, max(stop_t, prefix_end) if stop_r < problems else finish) for c in walls)
+    return {"tokens": tokens / full_tokens, "wall": wall, "stop": stop_r / problems, "verdict": verdict}
+
+
+def full_wall(rng: np.random.Generator, p_b: np.ndarray, n: int, scale: str, shards: int, budget: int) -> float:
+    """The wall-time proxy of the full evaluation without decide: every sample a request, the engine's budget of
+    sequences in flight on every slot."""
+    length, _ = lengths_and_correct(rng, p_b, n, scale)
+    owner = shard_of(p_b.size, shards, rng)
+    walls = []
+    for s in range(shards):
+        units = [[(int(r), k)] for r in np.flatnonzero(owner == s) for k in range(n)]
+        _, curve = run_slot(units, length, budget)
+        walls.append(cost_until(curve, float("inf")))
+    return max(walls)
