@@ -398,3 +398,53 @@ def test_the_parent_waits_for_its_shards_without_an_alarm_signal(monkeypatch):
     slow.set_result(2)
     assert still_running(futures, timeout=0.3) == []
     assert armed == [], f"the wait armed a timer: {armed}"
+
+
+def test_the_confidence_sequence_over_ranges_contains_every_exact_one_and_equals_it_without_ranges():
+    """The sequence the parent reads while answers still run (each unfinished problem a range of differences)
+    contains the one of the exact differences, whatever they turn out to be: drawn at random inside the ranges
+    and at their ends, every exact interval lies inside; with no ranges it is the exact one."""
+    from evaldag.decisions.sequential import confidence_sequence
+
+    rng = np.random.default_rng(5)
+    exact = (rng.binomial(4, 0.45, 300) - rng.binomial(4, 0.55, 300)) / 4
+    width = np.where(rng.random(300) < 0.08, rng.integers(1, 4, 300) / 4, 0.0)
+    low_d = np.maximum(-1.0, exact - width * rng.random(300).round(2))
+    high_d = np.minimum(1.0, low_d + width)
+    low, high = confidence_sequence(low_d, d_high=high_d)
+    for draw in [low_d, high_d] + [low_d + (high_d - low_d) * rng.integers(0, 5, 300) / 4 for _ in range(8)]:
+        lo, hi = confidence_sequence(draw)
+        assert np.all(low <= lo + 1e-12) and np.all(high >= hi - 1e-12)
+    lo, hi = confidence_sequence(exact)
+    same_low, same_high = confidence_sequence(exact, d_high=exact)
+    assert np.array_equal(lo, same_low) and np.array_equal(hi, same_high)
+    with pytest.raises(ValueError, match="d_high"):
+        confidence_sequence(high_d, d_high=low_d - 0.5)
+
+
+def test_the_round_gate_holds_work_past_the_next_round_until_the_open_one_is_nearly_done():
+    """Requests of rounds 0, 1, 2 (4 each): round 2 waits while round 0 has over 5 % of its requests unfinished,
+    not once it is done; past the gated half of the rounds nothing waits; lifted, nothing waits; below the floor
+    of requests in flight, nothing waits."""
+    gate = decide.RoundGate([0] * 4 + [1] * 4 + [2] * 4, rounds=6)
+    assert not gate.hold(4, 8) and gate.hold(8, 8)
+    for k in range(3):
+        gate.finished(k)
+    assert gate.hold(8, 8)                    # 1 of 4 left: 25 % > 5 %
+    gate.finished(3)
+    assert not gate.hold(8, 8)
+    late = decide.RoundGate([0] * 4 + [5] * 4, rounds=6)    # round 5 is past the gated half (rounds 0-2)
+    assert late.hold(4, 4)                    # the open round 0 is gated: everything past round 1 waits
+    assert not decide.RoundGate([0] * 4 + [2] * 4, rounds=6, floor=8).hold(4, 4)
+    late.lift()
+    assert not late.hold(4, 4)
+
+
+def test_the_gate_is_dropped_only_when_no_verdict_is_in_sight():
+    """A clear difference keeps the gate (a verdict is in sight by the gated rounds); none at all drops it."""
+    rng = np.random.default_rng(1)
+    clear = -np.abs(rng.binomial(4, 0.5, 60) / 4) * 0.8
+    assert decide.worth_gating(clear, 250, 0.05, 0.03)
+    none = np.tile([0.5, -0.5, 0.25, -0.25, 0.0, 0.0], 10)       # mean 0, spread too wide to call equivalent
+    assert not decide.worth_gating(none, 250, 0.05, 0.03)
+    assert decide.worth_gating(np.array([]), 250, 0.05, 0.03)

@@ -79,6 +79,8 @@ def in_flight(plan: EvalPlan, environ: dict | None = None) -> int | None:
 # waiting for), and only over the first GATED_SHARE of the rounds: a verdict there saves most, and an evaluation
 # still undecided after them runs at full speed.
 GATE_TOLERANCE, GATE_LOOKAHEAD, GATED_SHARE = 0.05, 1, 0.5
+# worth_gating counts a verdict in sight while the projected interval, this share of its width, would decide
+GATE_OPTIMISM = 0.5
 
 
 class RoundGate:
@@ -114,6 +116,26 @@ class RoundGate:
     def finished(self, k: int) -> None:
         self.open[self.rounds_of[k]] -= 1
 
+    def lift(self) -> None:
+        """Hold nothing from now on (the parent sees no verdict in sight within the gated rounds)."""
+        self.gated = 0
+
+
+def worth_gating(d: np.ndarray, target: int, alpha: float, margin: float) -> bool:
+    """Whether a verdict by `target` paired problems is still in sight, from the paired differences `d` of the
+    complete prefix so far: the confidence sequence's interval now, narrowed by sqrt(t / target) as an interval
+    narrows with more problems, would decide there if its centre stayed where it is. While it would, the shards
+    keep the round gate (what they generate beyond the round being decided is waste if it decides); once it would
+    not, they drop it and run at full batch (the evaluation most likely runs on, and the gate would only slow it).
+    Scheduling only: the verdict and its error rate do not depend on it."""
+    t = int(np.asarray(d).size)
+    if t == 0 or t >= target:
+        return t == 0
+    v = sequential_verdict(d, alpha, margin)
+    centre = (v.ci_low + v.ci_high) / 2
+    half = (v.ci_high - v.ci_low) / 2 * math.sqrt(t / target) * GATE_OPTIMISM
+    return abs(centre) > half or abs(centre) + half < margin
+
 
 def round_of(ranks: list[int], n_problems: int, rounds: int) -> list[int]:
     """The round of each decision-order place in `ranks` (0 for the problems before the first round end)."""
@@ -135,6 +157,17 @@ def poll_seconds(environ: dict | None = None) -> float:
 def stop_path(plan: EvalPlan) -> UPath:
     """Written by the parent when the verdict is decided; the plan's shards stop generating when they see it."""
     return plan.path("decide/stop")
+
+
+def ungated_path(plan: EvalPlan) -> UPath:
+    """Written by the parent when no verdict is in sight within the gated rounds (worth_gating): the shards drop
+    their round gate."""
+    return plan.path("decide/ungated")
+
+
+def ungated(plan: EvalPlan) -> bool:
+    """Whether the parent told this evaluation's shards to drop their round gate."""
+    return plan.request.decide is not None and ungated_path(plan).is_file()
 
 
 def decision_path(plan: EvalPlan) -> UPath:
@@ -266,6 +299,7 @@ class Decider:
         self._known: dict[str, int] = {}                 # graded samples so far, per problem
         # a stop an earlier attempt of this evaluation wrote: its prefix is the one the shards finish
         self.stopped_at: int | None = stopped_problems(plan)
+        self._ungated = ungated(plan)
         # rows already in the store (an earlier evaluation's): reused, not generated for this one
         self._reused = self._rows().select("sample_id", "sample_index", "shard_index").unique()
 
@@ -326,6 +360,23 @@ class Decider:
                 return end
         return None
 
+    def _pace(self) -> None:
+        """Tell the shards to drop the round gate once no verdict is in sight within the gated rounds."""
+        if self._ungated:
+            return
+        # every problem complete so far, not only the prefix: finished problems lean to short answers, which
+        # would bias a verdict but only shifts when the gate is lifted
+        n = self.plan.sampling.n
+        complete = [sid for sid, known in self._known.items() if known >= n and sid in self.incumbent]
+        d = np.array([self._right[sid] / n - self.incumbent[sid] for sid in complete])
+        if d.size < self.ends[0]:
+            return          # not a round's worth yet
+        gated_end = self.ends[min(len(self.ends), RoundGate([], len(self.ends)).gated) - 1]
+        target = sum(sid in self.incumbent for sid in self.order[:gated_end])
+        if not worth_gating(d, target, self.alpha, self.margin):
+            self._ungated = True
+            store.write_text(ungated_path(self.plan), json.dumps({"complete_problems": len(complete)}))
+
     def poll(self) -> Decision | None:
         """Read and grade what is new. Once a round is decided, ask the shards to stop (the stop file); once that
         round's prefix is complete, return the final decision (kept with the prefix's graded rows), else None."""
@@ -334,6 +385,7 @@ class Decider:
         if self.stopped_at is None:
             end = self._decided_end()
             if end is None:
+                self._pace()
                 return None
             self.stopped_at = end
             store.write_text(stop_path(self.plan), json.dumps({"problems": end}))
@@ -380,4 +432,5 @@ class Decider:
 
 
 __all__ = ["Decider", "Decision", "decision_order", "graded_prefix_path", "in_flight", "poll_seconds",
-           "round_ends", "stop_path", "stop_requested", "stopped_prefix", "stopped_problems", "RoundGate", "round_of"]
+           "round_ends", "stop_path", "stop_requested", "stopped_prefix", "stopped_problems", "RoundGate", "round_of",
+           "ungated", "ungated_path", "worth_gating"]

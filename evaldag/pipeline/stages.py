@@ -209,10 +209,13 @@ class _ShardRun:
 
     def stop_asked(self) -> bool:
         """Whether the parent asked this evaluation's shards to stop (a file in the store: looked at once a second
-        at most)."""
+        at most, with the one that lifts the round gate)."""
         if self.plan.request.decide is None or time.perf_counter() - self._stop_checked < 1.0:
             return False
         self._stop_checked = time.perf_counter()
+        gate = getattr(self, "_gate", None)
+        if gate is not None and gate.gated and decide.ungated(self.plan):
+            gate.lift()         # the parent sees no verdict in sight within the gated rounds
         return decide.stop_requested(self.plan)
 
     def decision_rank(self) -> dict[str, int]:
