@@ -13,7 +13,8 @@ import pytest
 from evaldag.scoring.grading import grade_table
 from evaldag.scoring.metrics import step_metrics
 from evaldag.scoring.rewards import RewardSpec
-from evaldag.scoring.steps import check_many, check_step, count_steps, find_steps
+from evaldag.scoring.grading import check_many
+from evaldag.scoring.steps import check_step, count_steps, find_steps
 from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
 
 ROOT = Path(__file__).resolve().parents[1]

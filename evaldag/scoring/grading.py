@@ -319,6 +319,43 @@ class BoundedCalls:
 _THINK_RE = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 
 
+def _warm_steps_worker() -> None:
+    from evaldag.scoring.steps import count_steps
+
+    _warm_worker()
+    count_steps("12 * 4 = 48")
+
+
+def check_many(completions: Sequence[str], timeout_s: float = 10.0, workers: int = 2) -> list[tuple[int | None,
+                                                                                                     int | None]]:
+    """(steps_checked, steps_valid) per completion (evaldag.scoring.steps.count_steps), in order. workers >= 1:
+    grading's process pool, each item with a hard `timeout_s` (an item that overruns or whose worker dies gets
+    (None, None)); workers == 0: in this process, unbounded (for debugging, as grade_many's)."""
+    from evaldag.scoring.steps import count_steps
+
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if workers == 0 or not completions:
+        return [count_steps(c) for c in completions]
+    from pebble import ProcessExpired, ProcessPool
+
+    pool = ProcessPool(max_workers=min(workers, len(completions)), initializer=_warm_steps_worker,
+                       context=_mp_context())
+    out: list[tuple[int | None, int | None]] = []
+    try:
+        futures = [pool.schedule(count_steps, args=(c,), timeout=timeout_s) for c in completions]
+        for i, future in enumerate(futures):
+            try:
+                out.append(future.result())
+            except (TimeoutError, ProcessExpired):
+                log.info("step check of item %d overran %.1f s; its steps are left unscored", i, timeout_s)
+                out.append((None, None))
+    finally:
+        pool.stop() if len(out) < len(completions) else pool.close()
+        pool.join()
+    return out
+
+
 def strip_thinking(completion: str) -> str:
     """Drop `<think>...</think>` blocks (and an unclosed trailing one) so the answer is read from the reply only."""
     return _THINK_RE.sub("", completion or "").strip()
@@ -337,7 +374,6 @@ def grade_table(df: pl.DataFrame, timeout_s: float = 10.0, workers: int = 2,
     """
     import polars as pl
 
-    from evaldag.scoring.steps import check_many
     from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, conform
 
     df = conform(df, GENERATION_SCHEMA)

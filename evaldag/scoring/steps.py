@@ -10,8 +10,8 @@ node with sympy numbers, allowing only + - * / ^, unary minus, sqrt, pi and nume
 compute are not checkable. A side written as a bare decimal is taken as rounded to its digits (`10/3 = 3.33` is
 valid); an integer is taken as rounded only against an irrational side (`\\pi \\cdot 10^2 = 314`).
 
-`check_many` runs `count_steps` in grading's process pool with the same hard per-item timeout
-(evaldag.scoring.grading): an item that overruns gets (None, None), unscored rather than faked.
+evaldag.scoring.grading.check_many runs `count_steps` in grading's process pool with the same hard per-item
+timeout: an item that overruns gets (None, None), unscored rather than faked.
 """
 
 from __future__ import annotations
@@ -297,39 +297,3 @@ def count_steps(completion: str) -> tuple[int, int]:
     """(steps checked, steps valid) of one completion."""
     steps = check_steps(completion)
     return len(steps), sum(s.valid for s in steps)
-
-
-def _warm() -> None:
-    from evaldag.scoring.grading import _warm_worker
-
-    _warm_worker()
-    count_steps("12 * 4 = 48")
-
-
-def check_many(completions: Sequence[str], timeout_s: float = 10.0, workers: int = 2) -> list[tuple[int | None,
-                                                                                                     int | None]]:
-    """(steps_checked, steps_valid) per completion, in order. workers >= 1: grading's process pool, each item with a
-    hard `timeout_s` (an item that overruns or whose worker dies gets (None, None)); workers == 0: in this process,
-    unbounded (for debugging, as grade_many's)."""
-    from evaldag.scoring.grading import _mp_context
-
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if workers == 0 or not completions:
-        return [count_steps(c) for c in completions]
-    from pebble import ProcessExpired, ProcessPool
-
-    pool = ProcessPool(max_workers=min(workers, len(completions)), initializer=_warm, context=_mp_context())
-    out: list[tuple[int | None, int | None]] = []
-    try:
-        futures = [pool.schedule(count_steps, args=(c,), timeout=timeout_s) for c in completions]
-        for i, future in enumerate(futures):
-            try:
-                out.append(future.result())
-            except (TimeoutError, ProcessExpired):
-                log.info("step check of item %d overran %.1f s; its steps are left unscored", i, timeout_s)
-                out.append((None, None))
-    finally:
-        pool.stop() if len(out) < len(completions) else pool.close()
-        pool.join()
-    return out
