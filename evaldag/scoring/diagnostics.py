@@ -7,6 +7,8 @@ rate about alpha (or less: the tests are chosen conservative, never liberal), an
 
 - `shard_disagreement`: do the shards of one evaluation disagree on accuracy beyond chance?
 - `reward_fluctuation`: does the reward jump between consecutive checkpoints beyond sampling noise?
+- `eval_loss_jump`: does the loss on the reference solutions jump between consecutive checkpoints beyond what
+  its per-problem spread explains (a paired test)?
 - `accuracy_reward_divergence`: do accuracy and reward trend in opposite directions over a training job?
 
 scipy (for the chi-square and t distributions) is imported on first use.
@@ -286,6 +288,67 @@ def reward_fluctuation(history: pl.DataFrame, alpha: float = 0.01, bonferroni: b
         return Diagnostic(name, True, text, action, details)
     text = (f"All {len(jumps)} reward changes between consecutive checkpoints are within sampling noise "
             f"(largest {z.max():.1f} SE, threshold {z_crit:.2f}).")
+    return Diagnostic(name, False, text, "None.", details)
+
+
+def _paired_jump(a: pl.DataFrame, b: pl.DataFrame) -> dict[str, Any]:
+    """Paired t-test of the per-problem losses of two checkpoints over the problems both scored: delta (mean of
+    b - a), its standard error, t, the two-sided p-value (m - 1 degrees of freedom) and m."""
+    from scipy.stats import t as student_t
+
+    d = (b.join(a, on="sample_id", suffix="_a").select(pl.col("loss") - pl.col("loss_a"))
+         .drop_nulls()["loss"].to_numpy())
+    m = d.size
+    if m < 2:
+        return {"delta": float(d.mean()) if m else float("nan"), "se": float("nan"), "t": 0.0, "p": 1.0, "m": m}
+    delta, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(m))
+    if delta == 0.0:
+        return {"delta": delta, "se": se, "t": 0.0, "p": 1.0, "m": m}
+    if se == 0.0:                       # every problem moved by exactly delta: no noise explains it
+        return {"delta": delta, "se": se, "t": math.inf, "p": 0.0, "m": m}
+    t = abs(delta) / se
+    return {"delta": delta, "se": se, "t": t, "p": float(2 * student_t.sf(t, m - 1)), "m": m}
+
+
+def eval_loss_jump(per_problem: pl.DataFrame, alpha: float = 0.01, bonferroni: bool = True) -> Diagnostic:
+    """Fires when eval_loss changes between consecutive checkpoints by more than its per-problem spread explains.
+
+    `per_problem`: step, sample_id and loss (a problem's mean nll per reference token, evaldag.scoring.eval_loss),
+    one row per checkpoint and problem. Each pair of consecutive steps is a paired t-test over the problems both
+    scored: eval_loss's change is the mean of the per-problem differences, and most of a loss's spread over
+    problems (how hard each solution is to predict) cancels in the pairing, so the test sees small real moves that
+    the two checkpoints' separate standard errors would hide. Tested at alpha, divided by the number of jumps
+    when `bonferroni` (so a long job is not bound to fire on noise somewhere), as reward_fluctuation does.
+    """
+    _check_alpha(alpha)
+    name = "eval_loss_jump"
+    _require(per_problem, ["step", "sample_id", "loss"], name)
+    steps = per_problem["step"].unique().sort().to_list()
+    if len(steps) < 2:
+        raise ValueError(f"{name} needs at least 2 checkpoints, got {len(steps)}")
+    by_step = {s: per_problem.filter(pl.col("step") == s).select("sample_id", "loss") for s in steps}
+    for s, table in by_step.items():
+        if table["sample_id"].is_duplicated().any():
+            raise ValueError(f"{name}: step {s} has a problem more than once; one row per checkpoint and problem")
+    jumps = [{"step_from": s0, "step_to": s1, **_paired_jump(by_step[s0], by_step[s1])}
+             for s0, s1 in zip(steps, steps[1:])]
+    level = alpha / len(jumps) if bonferroni else alpha
+    big = sorted((j for j in jumps if j["p"] < level), key=lambda j: j["p"])
+    details = {"alpha": alpha, "bonferroni": bonferroni, "level": level, "test": "paired t over problems",
+               "jumps": jumps, "min_p": min(j["p"] for j in jumps)}
+    if big:
+        listed = "; ".join(f"step {j['step_from']} -> {j['step_to']}: {j['delta']:+.4g} nats/token "
+                           f"({j['t']:.1f} SE of the paired differences, p = {j['p']:.2g}, {j['m']} problems)"
+                           for j in big[:3])
+        text = (f"{len(big)} of {len(jumps)} checkpoint-to-checkpoint eval_loss changes exceed what the per-problem "
+                f"spread explains (paired t-test, p < {level:.2g}): {listed}.")
+        action = ("Look at the training steps between these checkpoints (learning rate, a bad data batch, a loss "
+                  "spike in the trainer's log) and compare both checkpoints' samples: a rise is the model moving "
+                  "away from the reference solutions' text (expected under RL to a degree; check KL and accuracy), "
+                  "a sudden rise with falling accuracy is instability.")
+        return Diagnostic(name, True, text, action, details)
+    text = (f"All {len(jumps)} eval_loss changes between consecutive checkpoints are within what the per-problem "
+            f"spread explains (smallest paired p = {details['min_p']:.2g}, level {level:.2g}).")
     return Diagnostic(name, False, text, "None.", details)
 
 
