@@ -4,12 +4,12 @@
 
 What it simulates: one slot's continuous-batching engine as in bench/bench_schedule.py (at most `cap` sequences,
 each decode step advances every running one by a token and takes step_s + per_seq_s x c seconds), fed one shard's
-completions as evaldag.pipeline.stages submits them: each sample a request of its own, each problem's samples dealt
+completions as evaldag.pipeline.shard_runs submits them: each sample a request of its own, each problem's samples dealt
 in SAMPLE_ROUNDS rounds (evaldag.request.plan.sample_pieces), each round in a seeded random order, so that the
 finished ones are a fair sample of every problem early on (a scenario marked "before" submits each problem's n
 samples as one request, problem after problem, as evaldag did before: vLLM fans them out and reports them when
 the last ends). Every
-`--report-s` simulated seconds the shard publishes what evaldag.pipeline.stages does: TimeLeft's forecast from what
+`--report-s` simulated seconds the shard publishes what evaldag.pipeline.shard_runs does: TimeLeft's forecast from what
 vLLM tells it (a request's lengths when its last sample ends, the running sequences' token counts, the sequences
 queued behind them), with the step-time prior of the curve's device. The truth is the simulated end.
 
@@ -90,7 +90,7 @@ def simulate(curve: Curve, seqs: list[tuple[int, int, int]], cap_tokens: int, re
              oracle: Oracle | None = None) -> tuple[list[dict], float]:
     """Run the engine over `seqs` ((length, problem, request), in admission order); returns the reports (t,
     finished, tokens done, each forecast) and the end time. The forecast hears what a shard hears from vLLM
-    (evaldag.pipeline.stages): a request's lengths when its last sample ends, the running sequences' token counts
+    (evaldag.pipeline.shard_runs): a request's lengths when its last sample ends, the running sequences' token counts
     (a sample that ended before its siblings is in neither), and the sequences queued behind them."""
     now = [0.0]
     estimator = TimeLeft(len(seqs), cap_tokens, clock=lambda: now[0],
@@ -194,7 +194,7 @@ SCENARIOS: list[tuple[Workload, int, Curve, int]] = [
 def submitted(lengths: np.ndarray, order: np.ndarray, rounds: int) -> list[tuple[int, int, int]]:
     """(length, problem, request) of each completion of the problems in `order`, in the order the shard submits
     them: dealt in `rounds`, each sample a request of its own; with one round, each problem's samples one request
-    (evaldag.pipeline.stages)."""
+    (evaldag.pipeline.shard_runs)."""
     position = {int(p): k for k, p in enumerate(order)}
     pieces = sample_pieces([(0, lengths.shape[1])] * lengths.shape[0], rounds)
     pieces = sorted((piece for piece in pieces if piece[0] in position), key=lambda pc: (pc[3], position[pc[0]]))

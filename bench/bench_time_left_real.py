@@ -31,8 +31,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     args = ap.parse_args()
 
-    from evaldag.pipeline import stages
-    from evaldag.pipeline.stages import generate_shard
+    from evaldag.pipeline import shard_runs
+    from evaldag.pipeline.generate import generate_shard
     from evaldag.pipeline.time_left import TimeLeft
     from evaldag.request.plan import EvalRequest, resolve
 
@@ -50,7 +50,7 @@ def main() -> None:
             reports.append((time.monotonic(), tokens_so_far, est.seconds_left, rate))
             return est
 
-    stages.TimeLeft = Recording
+    shard_runs.TimeLeft = Recording
     with tempfile.TemporaryDirectory(prefix="evaldag-bench-") as tmp:
         plan = resolve(EvalRequest(benchmark=args.benchmark, limit=args.limit, num_shards=1, engine="vllm",
                                    sampling={"max_new_tokens": args.max_new_tokens}), Path(tmp) / "results")

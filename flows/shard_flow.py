@@ -1,7 +1,7 @@
 """eval-shard: one shard of each plan of a checkpoint (the benchmarks of one event) on the `gpu` work pool, started
 by the parent's launch-shard task (tasks/launch_shard.py). It holds its GPU slots (tasks/gpu_slots.py) and one
 engine load while it generates every benchmark, then grades them (tasks/shard_stages.py); the work itself is
-evaldag.pipeline.stages.
+evaldag.pipeline (generate, grade).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from evaldag.request.gpus import shard_gpus
 from evaldag.scoring.grading import start_worker_server
 from evaldag.runtime.liveness import fence, revive, watch_for_false_crash
 from evaldag.request.plan import load_plan
-from evaldag.pipeline.stages import workload
+from evaldag.pipeline.generate import workload
 from tasks.gpu_slots import hold_gpus, in_deployment
 from tasks.launch_shard import check_models
 from tasks.shard_stages import generate_task, grade_task

@@ -14,7 +14,7 @@ from prefect.futures import PrefectWrappedFuture
 from evaldag.decisions.decide import Decider, Decision, poll_seconds, stop_path
 from evaldag.storage import store
 from evaldag.request.plan import EvalPlan, load_plan
-from evaldag.pipeline.stages import grade_rows
+from evaldag.pipeline.grade import grade_rows
 from tasks.retry import retry_transient
 
 

@@ -19,7 +19,7 @@ from evaldag.runtime.liveness import is_lost_run_crash, settled
 from evaldag.request.checkpoint import check_unchanged
 from evaldag.request.plan import EvalPlan, load_plan
 from evaldag.pipeline.progress import ROUND_TAG, round_label
-from evaldag.pipeline.stages import record_reused, shard_done
+from evaldag.pipeline.records import record_reused, shard_done
 
 
 class ParentEnded(RuntimeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 
 from evaldag.request.plan import load_plan
-from evaldag.pipeline.stages import reduce_results
+from evaldag.pipeline.reduce import reduce_results
 
 
 @task(name="reduce", persist_result=True, retries=0)

@@ -9,7 +9,8 @@ from prefect.tasks import exponential_backoff
 
 from evaldag.request.plan import load_plan
 from evaldag.pipeline.progress import artifact_progress, round_label
-from evaldag.pipeline.stages import generate_shard, grade_shard
+from evaldag.pipeline.generate import generate_shard
+from evaldag.pipeline.grade import grade_shard
 from tasks.retry import retry_transient
 
 

@@ -16,7 +16,7 @@ from evaldag.events.checkpoint_event import validate_checkpoint_event
 from evaldag.errors import CheckpointError
 from evaldag.request.checkpoint import check_unchanged
 from evaldag.request.plan import EvalRequest, resolve
-from evaldag.pipeline.stages import generate_shard
+from evaldag.pipeline.generate import generate_shard
 from tasks.launch_shard import _relaunchable, check_models
 from tasks.retry import retry_transient
 

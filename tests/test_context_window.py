@@ -16,7 +16,7 @@ from evaldag import engines
 from evaldag.engines.base import Completion, EngineBase
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalRequest, resolve
-from evaldag.pipeline.stages import generate_shard
+from evaldag.pipeline.generate import generate_shard
 
 
 def test_the_check_names_the_benchmark_the_count_the_longest_the_window_and_the_fix():

@@ -12,14 +12,16 @@ import polars as pl
 import pytest
 
 from evaldag.decisions import best as best_of_job, decide, verdicts
-from evaldag.pipeline import stages
+from evaldag.pipeline import generate
 from evaldag.storage import store
 from evaldag.decisions.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
 from evaldag.errors import ConfigError
 from evaldag.request.plan import EvalRequest, resolve
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
 from evaldag.decisions.sequential import sequential_verdict
-from evaldag.pipeline.stages import generate_shard, reduce_results
+from evaldag.pipeline.generate import generate_shard
+from evaldag.pipeline.grade import grade_rows
+from evaldag.pipeline.reduce import reduce_results
 import test_stages
 from test_stages import StreamingEngine
 
@@ -89,7 +91,7 @@ def test_a_stopped_shard_finishes_the_decided_prefix_and_a_full_evaluation_gener
     generates only the samples the stopped one did not, and its rows for the others are the stopped run's."""
     ckpt, _, results = streaming
     monkeypatch.setenv("EVALDAG_DECIDE_IN_FLIGHT", "2")
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
     plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     finished = []
@@ -130,7 +132,7 @@ def test_a_shard_relaunched_after_the_stop_generates_only_the_prefix_it_lacks(st
     """A shard started when the stop file is already there (its node was lost after the decision) generates only
     the decided prefix's missing samples."""
     ckpt, _, results = streaming
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
     plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     store.write_text(stop_path(plan), json.dumps({"problems": 2}))
@@ -164,7 +166,7 @@ def test_the_parent_decides_without_waiting_for_the_longest_answers_and_reduces_
 
     def grade(rows):
         graded_calls.append(rows["sample_id"].to_list())
-        return stages.grade_rows(plan, rows)
+        return grade_rows(plan, rows)
 
     # the premises, from the confidence sequence on complete data: all wrong, undecided on 9 problems, decided
     # on 10; and decided on 12 even if problem 3 were right every time, not on 10
@@ -211,12 +213,12 @@ def test_an_undecided_evaluation_runs_to_the_end(setup):
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     golds = dict(plan.inputs().select("sample_id", "gold").iter_rows())
     incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 6, "score": [1.0] * 6})
-    decider = Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows))
+    decider = Decider(plan, incumbent, "job@1", lambda rows: grade_rows(plan, rows))
     chunks = store.chunks_dir(plan.generations_path(0))
     right = _rows(plan, order, lambda r: f"The answer is \\boxed{{{golds[r['sample_id']]}}}.")
     write_table(right, chunks / "requests-000001.parquet", GENERATION_SCHEMA)
     assert decider.poll() is None
-    graded = stages.grade_rows(plan, right)
+    graded = grade_rows(plan, right)
     final = decider.final(graded)
     assert final.status == "completed" and not final.stopped and final.problems == 6
     assert final.verdict == "undecided" and final.diff == 0.0
@@ -366,10 +368,10 @@ def test_a_decision_that_ran_to_the_end_counts_every_shards_reused_rows_as_reuse
                              for r in plan.shard_inputs(s).to_dicts()], schema=GENERATION_SCHEMA)
         write_table(rows, store.chunks_dir(plan.generations_path(s)) / "requests-000001.parquet", GENERATION_SCHEMA)
     incumbent = pl.DataFrame({"sample_id": plan.sample_ids(), "n": [1] * 8, "score": [0.0] * 8})
-    decider = Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows))   # every row is there
+    decider = Decider(plan, incumbent, "job@1", lambda rows: grade_rows(plan, rows))   # every row is there
     rows = pl.concat([pl.read_parquet(p) for s in range(2)
                       for p in store.chunk_files(store.chunks_dir(plan.generations_path(s)))])
-    final = decider.final(stages.grade_rows(plan, rows))
+    final = decider.final(grade_rows(plan, rows))
     assert (final.tokens_generated, final.tokens_reused) == (0, 80)
 
 

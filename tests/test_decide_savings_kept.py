@@ -14,7 +14,8 @@ from test_plan import KeyWorld
 
 from evaldag.decisions.decide import Decider, Decision, decision_order
 from evaldag.events.identity import evaluated_key
-from evaldag.pipeline import stages
+from evaldag.pipeline.grade import grade_rows
+from evaldag.pipeline.reduce import reduce_results
 from evaldag.request.plan import EvalRequest, resolve
 from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, write_table
 
@@ -69,13 +70,13 @@ def test_metrics_json_holds_the_decisions_figures(setup):
     plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=30, num_shards=1, decide="vs_best"),
                    results)
     prefix = decision_order(plan.sample_ids(), plan.sampling.seed)[:10]
-    graded = stages.grade_rows(plan, _rows(plan, prefix, lambda r: "The answer is \\boxed{-12345}."))
+    graded = grade_rows(plan, _rows(plan, prefix, lambda r: "The answer is \\boxed{-12345}."))
     path = plan.path("decide/graded-prefix.parquet")
     write_table(graded, path, GRADED_SCHEMA)
     decision = Decision("stopped", verdict="worse", vs="job@1", problems=10, n_problems=30, pairs=10, diff=-1.0,
                         ci_low=-1.0, ci_high=-0.5, tokens_generated=100, tokens_full_est=300, prefix=prefix)
     decision.save(plan)           # as the parent saves it when it stops the shards
-    stages.reduce_results(plan, [str(path)], prefix)
+    reduce_results(plan, [str(path)], prefix)
     written = json.loads(plan.path("metrics.json").read_text())
     expected = decision.metrics()
     assert {"decide.stopped", "decide.problems", "decide.diff", "decide.tokens_saved_est"} <= set(expected)
@@ -93,16 +94,16 @@ def test_an_evaluation_that_ran_to_the_end_has_its_decision_in_metrics_json(setu
                                decide_rounds=3), results)
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     golds = dict(plan.inputs().select("sample_id", "gold").iter_rows())
-    graded = stages.grade_rows(plan, _rows(plan, order, lambda r: f"The answer is \\boxed{{{golds[r['sample_id']]}}}."))
+    graded = grade_rows(plan, _rows(plan, order, lambda r: f"The answer is \\boxed{{{golds[r['sample_id']]}}}."))
     path = plan.path("graded-0.parquet")
     write_table(graded, path, GRADED_SCHEMA)
     incumbent = pl.DataFrame({"sample_id": order, "n": [1] * 6, "score": [1.0] * 6})
-    decision = final_decision(Decider(plan, incumbent, "job@1", lambda rows: stages.grade_rows(plan, rows)),
+    decision = final_decision(Decider(plan, incumbent, "job@1", lambda rows: grade_rows(plan, rows)),
                               [str(path)])
     # by hand: all six solved by both, d = 0 on six problems: too few to call anything, 6 of 6 problems
     assert (decision.status, decision.verdict, decision.problems, decision.diff) == ("completed", "undecided", 6, 0.0)
     decision.save(plan)
-    metrics = stages.reduce_results(plan, [str(path)])
+    metrics = reduce_results(plan, [str(path)])
     written = json.loads(plan.path("metrics.json").read_text())
     assert written["decide.problems"] == 6 and written["decide.stopped"] == 0.0 and written["accuracy"] == 1.0
     assert metrics == pytest.approx(written)

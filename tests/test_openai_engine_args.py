@@ -299,7 +299,7 @@ def test_a_shard_past_the_servers_window_is_refused_before_any_completion_reques
     """A vLLM server reports its window in /models and counts a chat prompt's tokens at /tokenize: a shard whose
     prompt + max_new_tokens do not fit fails before its first chat request, with the local engines' message (the
     server would otherwise cut the completion where its context ends, or refuse it, mid-shard)."""
-    from evaldag.pipeline.stages import generate_shard
+    from evaldag.pipeline.generate import generate_shard
 
     models = (200, {"data": [{"id": "served-a", "owned_by": "vllm", "max_model_len": 1024}]})
     srv = scripted({"/v1/models": [models], "/tokenize": [(200, {"count": 1000, "max_model_len": 1024,

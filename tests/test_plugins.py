@@ -17,7 +17,7 @@ import yaml
 from conftest import complete_checkpoint
 from index_engine import ByIndexEngine
 from evaldag import engines
-from evaldag.pipeline import stages
+from evaldag.pipeline import generate
 from evaldag.request.config import load_benchmark
 from evaldag.scoring import plugins
 from evaldag.scoring.plugins import PluginError, plugin_metrics
@@ -73,7 +73,9 @@ def test_the_installed_examples_metric_and_reward_reach_mlflow(installed, config
                                                                monkeypatch):
     from mlflow import MlflowClient
 
-    from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
+    from evaldag.pipeline.generate import generate_shard
+    from evaldag.pipeline.grade import grade_shard
+    from evaldag.pipeline.reduce import reduce_results
     from evaldag.request.plan import EvalRequest, resolve
     from evaldag.tracking.write import track
 
@@ -85,7 +87,7 @@ def test_the_installed_examples_metric_and_reward_reach_mlflow(installed, config
     config["metrics"] = ["boxed_share"]
     bench.write_text(yaml.safe_dump(config))
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: RightEngine())
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
     ckpt = complete_checkpoint(tmp_path / "ckpt")
     plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=3, num_shards=1, engine="vllm"),
                    tmp_path / "results")

@@ -7,7 +7,7 @@ import polars as pl
 
 from evaldag.scoring.metrics import MEASUREMENT_KEYS, system_metrics
 from evaldag.runtime.runner import provenance
-from evaldag.pipeline.stages import _STAT_COLUMNS
+from evaldag.pipeline.reduce import _STAT_COLUMNS
 from evaldag.tracking.write import differing_results
 
 LOGGED = {"accuracy": 0.25, "pass_at_4": 0.5, "generation_s": 100.0, "cache_hit_rate": 0.0, "step": 3.0}

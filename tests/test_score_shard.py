@@ -14,7 +14,8 @@ from test_stages import CountingEngine
 
 from evaldag import engines
 from evaldag.errors import CheckpointError, ConfigError
-from evaldag.pipeline.stages import generate_shard, score_shard
+from evaldag.pipeline.generate import generate_shard
+from evaldag.pipeline.score import score_shard
 from evaldag.request.plan import EvalRequest, resolve
 from evaldag.storage import store
 from tasks.launch_shard import _relaunchable, check_models

@@ -16,8 +16,10 @@ from evaldag import engines
 from evaldag.decisions import adaptive
 from evaldag.decisions.series import comparison_key
 from evaldag.errors import ConfigError
-from evaldag.pipeline import stages
-from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
+from evaldag.pipeline import generate
+from evaldag.pipeline.generate import generate_shard
+from evaldag.pipeline.grade import grade_shard
+from evaldag.pipeline.reduce import reduce_results
 from evaldag.request.plan import EvalRequest, load_plan, resolve
 from evaldag.request.second_round import plan_runs, resolve_second_round, second_round_path
 
@@ -38,7 +40,7 @@ class PatternEngine(ByIndexEngine):
 def fake_vllm(tmp_path, monkeypatch):
     ckpt = complete_checkpoint(tmp_path / "ckpt")
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: PatternEngine())
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
     PatternEngine.generated = []
     return ckpt, tmp_path / "results"
 

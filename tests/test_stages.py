@@ -16,11 +16,15 @@ from upath import UPath
 from conftest import complete_checkpoint
 from index_engine import ByIndexEngine
 from evaldag import engines, paths
-from evaldag.pipeline import stages
+from evaldag.pipeline import generate, shard_runs
 from evaldag.engines.base import Completion, EngineBase, request_seed
 from evaldag.request.plan import EvalRequest, resolve
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
-from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
+from evaldag.pipeline.chunks import merge_chunks, missing_requests
+from evaldag.pipeline.generate import generate_shard
+from evaldag.pipeline.grade import grade_shard
+from evaldag.pipeline.reduce import reduce_results
+from evaldag.storage import store
 
 
 class CountingEngine(EngineBase):
@@ -167,7 +171,7 @@ def test_timed_out_grades_are_regraded_not_cached_for_good(setup, monkeypatch):
     import polars as pl
 
     from evaldag.scoring import grading
-    from evaldag.pipeline.stages import shard_done
+    from evaldag.pipeline.records import shard_done
 
     ckpt, _, results = setup
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: BoxedSevenEngine())
@@ -497,10 +501,10 @@ def test_requests_are_submitted_in_a_seeded_random_order(streaming):
 
 def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch):
     """Each report forecasts tokens and seconds left (evaldag.pipeline.time_left) once a rate is known; the last says none."""
-    from evaldag.pipeline import stages, time_left
+    from evaldag.pipeline import time_left
 
     ckpt, _, results = streaming
-    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0, raising=False)
     monkeypatch.setattr(time_left, "MIN_SPAN_S", 0.1)
     heard, plan = [], _plan_of(ckpt, results)
     generate_shard(plan, 0, heard.append)
@@ -520,7 +524,7 @@ def test_the_forecast_counts_what_the_engine_queues_as_not_started(streaming, mo
     from evaldag.pipeline import time_left
 
     ckpt, _, results = streaming
-    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0, raising=False)
     monkeypatch.setattr(time_left, "MIN_SPAN_S", 0.1)
     StreamingEngine.run_cap = 2
     heard = []
@@ -533,10 +537,9 @@ def test_the_forecast_counts_what_the_engine_queues_as_not_started(streaming, mo
 def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, monkeypatch):
     """Progress moves as each request finishes and carries the tokens of the running ones, long before the last
     (longest) request of the shard finishes; throttled to PROGRESS_S; the last report is exact."""
-    from evaldag.pipeline import stages
 
     ckpt, _, results = streaming
-    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0, raising=False)
     plan = _plan_of(ckpt, results)
     heard = []
     StreamingEngine.on_finish = lambda r: heard.append(("finish", r.key))
@@ -550,7 +553,7 @@ def test_progress_counts_requests_and_running_tokens_as_they_happen(streaming, m
     assert tokens == sorted(tokens)                         # never backwards
     assert heard[-1] == (8, 8, 80)                          # 8 requests x 10 tokens, nothing running
 
-    monkeypatch.setattr(stages, "PROGRESS_S", 3600.0, raising=False)
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 3600.0, raising=False)
     heard.clear()
     StreamingEngine.on_finish = None
     generate_shard(_plan_of(ckpt, results / "again"), 0, lambda p: heard.append((p.done, p.total, p.tokens)))
@@ -567,7 +570,7 @@ def test_split_samples_are_the_whole_requests_samples_each_once(streaming, monke
     whole = pl.read_parquet(generate_shard(_plan_of(ckpt, results / "a", n=4, temperature=0.7), 0))
     split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=3, engine="vllm",
                                 sampling={"n": 4, "temperature": 0.7}), results / "b")
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
     assert split.num_shards == 3 and split.sample_runs is not None
     parts = [pl.read_parquet(generate_shard(split, s)) for s in range(3)]
     keys = ["sample_id", "sample_index", "completion", "shard_index"]
@@ -587,7 +590,7 @@ def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_wh
     from evaldag.decisions.decide import decision_order
 
     ckpt, _, results = streaming
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
 
     def vllm_plan(folder):
         return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm",
@@ -615,7 +618,7 @@ def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_wh
     assert sum(_chunk_rows(plan)) == 40                     # the 40 samples that finished before the failure
 
     StreamingEngine.crash_after, StreamingEngine.generated, StreamingEngine.on_finish = None, [], None
-    monkeypatch.setattr(stages, "PROGRESS_S", 0.0, raising=False)
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0, raising=False)
     heard = []
     resumed = pl.read_parquet(generate_shard(plan, 0, heard.append))
     assert len(StreamingEngine.generated) == 128 - 40       # only what no chunk held
@@ -623,7 +626,7 @@ def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_wh
     # progress counts samples, the resumed ones included, one at a time
     assert (heard[0].done, heard[0].total, heard[0].unit) == (40, 128, "samples") and heard[-1].done == 128
     assert {b.done - a.done for a, b in zip(heard, heard[1:])} <= {0, 1}
-    monkeypatch.setattr(stages, "splits_samples", lambda engine, n: False)    # one request of 16 per problem
+    monkeypatch.setattr(shard_runs, "splits_samples", lambda engine, n: False)    # one request of 16 per problem
     StreamingEngine.submitted = []
     whole = pl.read_parquet(generate_shard(vllm_plan("whole"), 0))
     assert len(StreamingEngine.submitted[0]) == 8
@@ -636,7 +639,7 @@ def _piece_of(plan, key: int) -> tuple[int, int, int, int]:
     from evaldag.request.plan import sample_pieces
 
     ids = plan.shard_inputs(0)["sample_id"].to_list()
-    return stages._missing_requests(sample_pieces(plan.shard_runs(0)), ids, set(), one_per_sample=True)[key]
+    return missing_requests(sample_pieces(plan.shard_runs(0)), ids, set(), one_per_sample=True)[key]
 
 
 def test_a_shard_resumes_per_sample_from_chunks_cut_otherwise(streaming, monkeypatch):
@@ -645,14 +648,14 @@ def test_a_shard_resumes_per_sample_from_chunks_cut_otherwise(streaming, monkeyp
     (problem, sample) is generated once and the merge finds each once (a check by first sample would skip a
     partly written problem's other samples, or generate its written ones again)."""
     ckpt, _, results = streaming
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
     dealt = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm",
                                 sampling={"n": 4, "temperature": 0.7}), results)
     StreamingEngine.crash_after, StreamingEngine.delay = 13, 0.0
     with pytest.raises(ConnectionError):
         generate_shard(dealt, 0)
     assert sum(_chunk_rows(dealt)) == 13
-    monkeypatch.setattr(stages, "splits_samples", lambda engine, n: False)   # as an evaluation that may stop early
+    monkeypatch.setattr(shard_runs, "splits_samples", lambda engine, n: False)   # as an evaluation that may stop early
     StreamingEngine.crash_after, StreamingEngine.generated = None, []
     seen = []
     StreamingEngine.on_finish = seen.append
@@ -669,7 +672,7 @@ def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setu
     ckpt, _, results = setup
     split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2, engine="vllm",
                                 sampling={"n": 4, "temperature": 0.7}), results)
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
     with pytest.raises(ConfigError, match="splits problems' samples over shards.*vllm"):
         generate_shard(split, 0)
 
@@ -715,7 +718,7 @@ def test_maj_at_k_of_a_split_plan_equals_the_unsplit_one(streaming, monkeypatch)
     group 0 of shard A and group 0 of shard B (different answers) are counted as one answer in maj@k."""
     ckpt, _, results = streaming
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: VotingEngine())
-    monkeypatch.setattr(stages, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
     sampling = {"n": 4, "temperature": 0.7}
     whole = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=1, engine="vllm",
                                 sampling=sampling), results / "a")
@@ -750,7 +753,7 @@ def test_merge_chunks_refuses_a_duplicated_request_that_hides_a_missing_one(tmp_
     write_table(rows("a"), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
     write_table(rows("a"), chunks / "requests-000002.parquet", GENERATION_SCHEMA)   # the other writer's copy
     with pytest.raises(RuntimeError):
-        stages._merge_chunks(chunks, inputs, [(0, 2), (0, 2)], 0)
+        merge_chunks(chunks, inputs, [(0, 2), (0, 2)], 0)
 
 
 def test_two_attempts_writing_one_shards_chunks_merge_to_every_sample_once(streaming, monkeypatch):
@@ -762,7 +765,7 @@ def test_two_attempts_writing_one_shards_chunks_merge_to_every_sample_once(strea
     once, equal to an uninterrupted run's."""
     ckpt, _, results = streaming
     plan = _plan_of(ckpt, results)
-    chunks = stages.store.chunks_dir(plan.generations_path(0))
+    chunks = store.chunks_dir(plan.generations_path(0))
     monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
     StreamingEngine.crash_after = 5               # attempt A: 5 problems written, 2 + 2 + 1 (the last at its failure)
     with pytest.raises(ConnectionError):

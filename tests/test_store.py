@@ -114,7 +114,9 @@ def test_evaluation_on_s3_writes_only_to_the_store(s3_server, monkeypatch, tmp_p
     """resolve -> generate -> grade -> reduce with the real model, the store on S3: every output is an object in
     the bucket, nothing lands in the local results folder, and a second pass reuses every stage."""
     from evaldag import paths
-    from evaldag.pipeline.stages import generate_shard, grade_shard, reduce_results
+    from evaldag.pipeline.generate import generate_shard
+    from evaldag.pipeline.grade import grade_shard
+    from evaldag.pipeline.reduce import reduce_results
 
     url = f"s3://{BUCKET}/evals"
     monkeypatch.setenv("EVALDAG_RESULTS_URL", url)

@@ -278,7 +278,7 @@ class Decision:
 class Decider:
     """Reads the shards' durable rows as they come, grades them, and decides at the ends of rounds. `incumbent`:
     sample_id and score (per-problem mean correctness) of the evaluation compared with, labelled `vs`. Grading is
-    `grade(rows) -> graded rows` (evaldag.pipeline.stages.grade_rows with the plan's settings).
+    `grade(rows) -> graded rows` (evaldag.pipeline.grade.grade_rows with the plan's settings).
 
     A verdict does not wait for the longest answers: every problem of a round is counted with the samples that
     finished, each unfinished one bounded by its extremes (right or wrong), and the round decides when the

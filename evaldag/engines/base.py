@@ -64,8 +64,9 @@ class Engine(Protocol):
     """What every engine offers; `generate` returns, per prompt, `sampling.n` completions in input order.
 
     The real engines also offer `prompt_fit(prompts) -> PromptFit | None`: their context window and each prompt's
-    length in tokens, with which evaldag.pipeline.stages refuses a shard whose prompt + max_new_tokens do not fit before any
-    generation (evaldag.engines.context). It stays out of the protocol so that a stand-in engine needs no window."""
+    length in tokens, with which evaldag.pipeline.shard_runs refuses a shard whose prompt + max_new_tokens do not fit
+    before any generation (evaldag.engines.context). It stays out of the protocol so that a stand-in engine needs no
+    window."""
 
     def plan_batches(self, prompts: list[str], sampling: SamplingConfig) -> list[list[int]]:
         """The deterministic batches `generate` would use (indexes into `prompts`)."""
@@ -88,8 +89,8 @@ class Engine(Protocol):
     # An engine that batches continuously (vLLM) also offers
     #   generate_requests(requests: list[Request], sampling) -> Iterator[Event]
     # every request in the engine at once, a Finished as each one finishes and a Running now and then, and
-    # evaldag.pipeline.stages then writes and reports per request instead of per batch. It stays out of the protocol: a
-    # static-batch engine has nothing finer than its batch to report.
+    # evaldag.pipeline.shard_runs then writes and reports per request instead of per batch. It stays out of the
+    # protocol: a static-batch engine has nothing finer than its batch to report.
 
     def score(self, prompts: list[str], completion_ids: list[list[int]]) -> list[list[float]]:
         """Per-token log-probabilities (temperature 1) of each completion's ids after its prompt."""
@@ -148,7 +149,7 @@ class EngineBase:
 
 def generate_in_batches(engine: Engine, prompts: list[str], sampling: SamplingConfig) -> list[list[Completion]]:
     """`Engine.generate` for any engine: its plan's batches one after another, results in the order of `prompts`
-    (a shard's progress is evaldag.pipeline.stages', per request)."""
+    (a shard's progress is evaldag.pipeline.shard_runs', per request)."""
     results: list[list[Completion] | None] = [None] * len(prompts)
     plan = engine.plan_batches(prompts, sampling)
     for b, batch in engine.generate_batches([(b, [prompts[i] for i in idx]) for b, idx in enumerate(plan)], sampling):

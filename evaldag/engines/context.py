@@ -5,9 +5,9 @@ A sequence is its prompt and its completion, and an engine holds at most its win
 prompt + max_new_tokens does not fit, the engines disagree without this check: vLLM stops the completion where the
 window ends and reports an ordinary "length" finish (graded `truncated`, with fewer tokens than asked, silently),
 transformers runs past the positions the model was trained on, and a vLLM server cuts or refuses the request
-mid-shard. So every engine measures what the shard's prompts take (`prompt_fit`), and evaldag.pipeline.stages refuses the
-shard with ContextOverflowError before its first generated token: one behaviour for all engines, and a message that
-names the benchmark, how many prompts overflow, the longest, the window and the fix.
+mid-shard. So every engine measures what the shard's prompts take (`prompt_fit`), and evaldag.pipeline.shard_runs
+refuses the shard with ContextOverflowError before its first generated token: one behaviour for all engines, and a
+message that names the benchmark, how many prompts overflow, the longest, the window and the fix.
 
 No status of its own: a row cut by the window would measure the window rather than the model, and mixing such rows
 into accuracy (as `truncated` or as a new status) would quietly change what a benchmark's number means between

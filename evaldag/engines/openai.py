@@ -32,8 +32,8 @@ Choices, and why:
 - **Context window.** Before a shard generates, `prompt_fit` measures its prompts on a vLLM server: the window is
   the max_model_len that /models reports, and each prompt's length comes from the server's own `POST /tokenize`
   (the server root, beside /v1) with the same chat message, so it counts exactly what the chat request would.
-  evaldag.pipeline.stages refuses a shard whose prompt + max_new_tokens exceed the window before any request is sent, as it
-  does for the local engines (evaldag.engines.context). Other servers report no window or offer no tokenizer
+  evaldag.pipeline.shard_runs refuses a shard whose prompt + max_new_tokens exceed the window before any request is
+  sent, as it does for the local engines (evaldag.engines.context). Other servers report no window or offer no tokenizer
   endpoint: that check is skipped, and only the per-request check below catches an overflow, mid-shard.
 - **latency_s** of a Completion is its own request's wall time (from first send to answer, retries included), the
   latency a client of the server saw.

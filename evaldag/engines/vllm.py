@@ -7,8 +7,8 @@ setup` installs the one that fits the host). Choices, and why:
   transformers engine, and handed to vLLM as token ids: both engines see the same ids (no second BOS, no template
   drift between vLLM's renderer and transformers), so their outputs and log-probs are comparable.
 - A shard's requests all go into the engine at once and come back one by one as each finishes
-  (`generate_requests`): vLLM's continuous batching runs over the whole shard, and evaldag.pipeline.stages writes finished
-  requests in chunks and reports progress per request. Batching by length (plan_batches) is waited on only by
+  (`generate_requests`): vLLM's continuous batching runs over the whole shard, and evaldag.pipeline.shard_runs writes
+  finished requests in chunks and reports progress per request. Batching by length (plan_batches) is waited on only by
   `generate_batches` / `generate`, which yield or return whole batches.
 - Each request gets its own sampling seed: in a shard, derived from (sampling.seed, sample id)
   (evaldag.engines.base.request_seed); through generate_batch(es), from (sampling.seed, batch index, position in

@@ -218,7 +218,7 @@ def progress_key(benchmark: str, shard: int) -> str:
 
 
 def artifact_progress(benchmark: str, shard: int) -> Callable[[ShardProgress], None]:
-    """A generate_shard progress callback (evaldag.pipeline.stages.Progress) that creates, then updates, one Prefect
+    """A generate_shard progress callback (evaldag.pipeline.shard_runs.Progress) that creates, then updates, one Prefect
     progress artifact."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 

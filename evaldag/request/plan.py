@@ -367,7 +367,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
                           "scores every completion of the evaluation; drop `reference` or `decide`")
     split_key = {} if runs is None else {"sample_runs": runs}   # absent when not split: older keys stay valid
     if request.decide is not None and model.engine != "vllm":
-        # a static-batch engine cuts its batches along the decision order (evaldag.pipeline.stages), which changes
+        # a static-batch engine cuts its batches along the decision order (evaldag.pipeline.shard_runs), which changes
         # what each batch generates; vLLM seeds and schedules per request, whatever the order
         split_key["batches"] = "decision-order"
     generation_key = compute_eval_key({

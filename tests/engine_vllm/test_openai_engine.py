@@ -305,7 +305,7 @@ def _served_configs(tmp_path: Path, base_url: str, revision: str = "r1") -> Path
 def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeypatch):
     from evaldag.request.plan import EvalRequest, resolve
     from evaldag.storage.schema import GRADED_SCHEMA, read_table
-    from evaldag.pipeline.stages import grade_shard
+    from evaldag.pipeline.grade import grade_shard
 
     monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(_served_configs(tmp_path, server)))
     request = EvalRequest(benchmark="gsm8k", checkpoint="smollm2-served", limit=4, num_shards=1,
@@ -322,7 +322,7 @@ def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeyp
     monkeypatch.setenv("EVALDAG_CONFIGS_DIR", str(_served_configs(tmp_path, server)))
 
     # generation in a fresh process, as a shard runs: no torch import, no model load
-    code = ("import sys, json; from evaldag.request.plan import load_plan; from evaldag.pipeline.stages import generate_shard; "
+    code = ("import sys, json; from evaldag.request.plan import load_plan; from evaldag.pipeline.generate import generate_shard; "
             f"generate_shard(load_plan({str(plan.path('plan.json'))!r}), 0); "
             "print(json.dumps({'torch': 'torch' in sys.modules, 'vllm': 'vllm' in sys.modules}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

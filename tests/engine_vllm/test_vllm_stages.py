@@ -37,7 +37,8 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
     from evaldag import engines
     from evaldag.request.plan import EvalRequest, resolve
     from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table
-    from evaldag.pipeline.stages import generate_shard, grade_shard
+    from evaldag.pipeline.generate import generate_shard
+    from evaldag.pipeline.grade import grade_shard
 
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=1, sampling={"max_new_tokens": 32},
                                engine="vllm"), tmp_path / "results")
@@ -97,13 +98,14 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
 
     from evaldag.request.plan import EvalRequest, resolve
     from evaldag.storage.schema import GENERATION_SCHEMA, read_table
-    from evaldag.pipeline import stages
-    from evaldag.pipeline.stages import generate_shard
+    from evaldag.decisions import decide
+    from evaldag.pipeline import shard_runs
+    from evaldag.pipeline.generate import generate_shard
 
     monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
     # every event reported (not every 5 s): whether a report falls between two finishes must not depend on timing
-    monkeypatch.setattr(stages, "PROGRESS_S", 0.0)
-    monkeypatch.setattr(stages.decide, "in_flight", lambda plan: 2)
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(decide, "in_flight", lambda plan: 2)
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=6, num_shards=1, sampling={"max_new_tokens": 192},
                                engine="vllm"), tmp_path / "results")
     chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")

@@ -1,0 +1,97 @@
+"""The generate stage of a shard: its completions, made durable in chunks while they come (evaldag.pipeline.chunks)
+by one of the two ways of running a shard on an engine (evaldag.pipeline.shard_runs), merged into the generations
+file; a shard whose generations exist reuses them. Then, where the plan names a reference model, the score stage
+(evaldag.pipeline.score)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from upath import UPath
+
+from evaldag.pipeline.chunks import merge_chunks, tokens_of
+from evaldag.pipeline.progress import ShardProgress
+from evaldag.pipeline.records import peak_gpu_mb, peak_rss_mb, record_stage
+from evaldag.pipeline.score import score_shard
+from evaldag.pipeline.shard_runs import PerBatch, PerRequest, Progress, check_context
+from evaldag.request.plan import EvalPlan
+from evaldag.storage import store
+from evaldag.storage.schema import GENERATION_SCHEMA, write_table
+
+log = logging.getLogger("evaldag")
+
+
+def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None) -> UPath | None:
+    """Generate `n` completions for every problem of one shard; write and return the generations file, or None when
+    the evaluation was decided early and its parent asked the shard to stop (evaldag.decisions.decide; what was generated
+    stays in the shard's chunks for a later evaluation).
+
+    When the plan names a reference model, also score the completions under both models (log-probs for KL).
+    `progress`, when given, hears how many of the shard's samples are done and how many tokens were generated,
+    while it generates (see Progress).
+    """
+    out = plan.generations_path(shard)
+    with store.lock(out):
+        if out.is_file():
+            log.info("shard %d: generations already in %s, reusing them", shard, out)
+            record_stage(plan, shard, "generate", computed=False)
+            if progress is not None:     # its tokens too: a retried shard's count must not fall back to 0
+                total = sum(count for _, count in plan.shard_runs(shard))
+                progress(ShardProgress(total, total, tokens_of(out), tokens_left=0, seconds_left=0.0,
+                                       unit=plan.progress_unit))
+        else:
+            if not _generate(plan, shard, out, progress):
+                return None
+            record_stage(plan, shard, "generate", computed=True)
+    if plan.reference is not None:
+        score_shard(plan, shard)
+    return out
+
+
+def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None = None) -> bool:
+    """Generate the shard's missing completions, made durable as parquet chunks while they come (a shard killed
+    midway, by node loss, OOM or kill -9, resumes from its chunks and loses at most one chunk's worth), then merge
+    the chunks into `out`. An engine that reports per request (generate_requests: vLLM) gets every missing request
+    at once and its rows are written in chunks of finished requests (PerRequest); a static-batch engine gets every
+    missing batch (Engine.generate_batches) and each batch is written as it completes (PerBatch). Seeds are per
+    request or per batch, never per chunk, so the resumed output equals an uninterrupted one. Returns False when it
+    stopped on its parent's request (evaldag.decisions.decide) before the end: the chunks stay, nothing is merged."""
+    from evaldag.engines import engine_for
+    from evaldag.request.checkpoint import check_unchanged
+
+    inputs = plan.shard_inputs(shard)
+    prompts = inputs["prompt"].to_list()
+    chunks = store.chunks_dir(out)
+    t0 = time.perf_counter()
+    check_unchanged(plan.resolved_model)          # before the tokenizer and the engine read the folder
+    with engine_for(plan.resolved_model, workload(plan, shard)) as got:
+        load_s = time.perf_counter() - t0
+        if got.loaded:      # and after: weights rewritten while the engine read them are caught here
+            check_unchanged(plan.resolved_model)
+        mode = PerRequest if hasattr(got.engine, "generate_requests") else PerBatch
+        run = mode(plan, shard, got.engine, inputs, chunks, progress)
+        if run.todo:
+            check_context(plan, got.engine, prompts)
+        run.generate()
+    if run.stopped:
+        log.info("shard %d: stopped at its parent's request (the evaluation is decided); %d of %d problems "
+                 "generated, kept in %s", shard, run.done, len(run.prompts), chunks)
+        return False
+    write_table(merge_chunks(chunks, inputs, plan.shard_runs(shard), shard), out, GENERATION_SCHEMA)
+    store.write_json(plan.stats_path("generate", shard), {
+        "model_load_s": load_s, "engine_loads": int(got.loaded), "generation_s": run.seconds,
+        "generation_tokens": float(run.tokens), **run.resumed,
+        "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb()})
+    store.remove_tree(chunks)
+    return True
+
+
+def workload(plan: EvalPlan, shard: int):
+    """What generating this shard asks of the engine (an evaldag.engines.Workload), for engines that size themselves
+    to it; None for the others."""
+    from evaldag import engines
+
+    prompts = plan.shard_inputs(shard)["prompt"].to_list()
+    return engines.workload(plan.resolved_model, prompts, plan.sampling,
+                            sum(count for _, count in plan.shard_runs(shard)))
