@@ -224,14 +224,25 @@ def test_answer_grouping_is_bounded_like_grading(setup, monkeypatch):
     def graded_as_wrong(df, timeout_s, workers, strip_thinking):    # grading itself is tested elsewhere
         return df.with_columns(pred=pl.Series(["2^{2^{30}}", "4^{2^{29}}"]), status=pl.lit("wrong"),
                                correct=pl.lit(False), grade_s=pl.lit(0.0),
-                               answer_group=pl.lit(None, dtype=pl.Int64))
+                               answer_group=pl.lit(None, dtype=pl.Int64),
+                               steps_checked=pl.lit(0, dtype=pl.Int64), steps_valid=pl.lit(0, dtype=pl.Int64))
 
     monkeypatch.setattr(grading, "grade_table", graded_as_wrong)
     done: list = []
-    worker = threading.Thread(target=lambda: done.append(grade_shard(plan, 0, workers=1)), daemon=True)
+    failed: list = []
+
+    def grade() -> None:
+        try:
+            done.append(grade_shard(plan, 0, workers=1))
+        except BaseException as e:      # re-raised below: a thread's exception would otherwise read as a hang
+            failed.append(e)
+
+    worker = threading.Thread(target=grade, daemon=True)
     t0 = time.perf_counter()
     worker.start()
     worker.join(timeout=90)
+    if failed:
+        raise failed[0]
     assert done, f"the grade stage hung in answer grouping for {time.perf_counter() - t0:.0f} s"
     graded = pl.read_parquet(done[0])
     assert graded["answer_group"].to_list() == [0, 1]                  # not shown equal: two answers
