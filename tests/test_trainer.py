@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from evaldag.client.notifier import CheckpointNotifier, EvalTrigger, flush_spool
+from evaldag.client import CheckpointNotifier, EvalTrigger, flush_spool
 from fake_events import FakeEventsServer
 
 

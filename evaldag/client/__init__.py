@@ -3,7 +3,9 @@ ready), with `flush_spool` for events that could not be sent, and `EvaldagCallba
 Trainer and TRL's trainers, in one line). Standard library only: training scripts import it (transformers is
 imported when an EvaldagCallback is built)."""
 
-from evaldag.client.notifier import CheckpointNotifier, EvalTrigger, flush_spool
+from evaldag.client.delivery import flush_spool
+from evaldag.client.notifier import CheckpointNotifier
+from evaldag.client.trigger import EvalTrigger
 from evaldag.client.trainer_callback import EvaldagCallback
 
 __all__ = ["CheckpointNotifier", "EvalTrigger", "EvaldagCallback", "flush_spool"]
