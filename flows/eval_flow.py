@@ -87,36 +87,49 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                       decide_alpha=decide_alpha, decide_margin=decide_margin,
                                       decide_rounds=decide_rounds, adaptive=adaptive)
                     for name in names]     # every request is checked before anything is resolved
-        if decide and dispatch == "inline":
-            raise ConfigError("decide stops the shards while they generate, which needs them running beside this "
-                              "flow run (dispatch='deployment'); inline shards run inside it one after another. "
-                              "Drop decide or use dispatch='deployment'")
-        # inline shards run one after another: more than one only repeats the engine load
-        num_gpus = pool_num_gpus() if dispatch == "deployment" else 1
-        plan_paths = [resolve_task(request, num_gpus) for request in requests]
-        plans = [load_plan(path) for path in plan_paths]
-        deciders, decisions = deciders_for(plan_paths, plans) if dispatch == "deployment" else ({}, {})
-        # an evaluation an earlier attempt stopped early needs no shard again
-        running = [(path, plan) for path, plan in zip(plan_paths, plans)
-                   if not (path in decisions and decisions[path].stopped)]
+        plan_paths, plans, deciders, decisions, running = _plan(requests, decide, dispatch)
         graded: dict[str, list[str]] = {path: [] for path in plan_paths}
         done, decided = _generate(running, names, dispatch, deciders)
         graded |= done
         decisions |= decided
-        # adaptive samples: a second round where the first left problems uncertain (evaldag.request.second_round)
-        seconds = {path: second_round_task(path, graded[path]) for path, plan in running if plan.request.adaptive}
-        seconds = {path: second for path, second in seconds.items() if second is not None}
-        if seconds:
-            round2 = [(second, load_plan(second)) for second in seconds.values()]
-            more, _ = _generate(round2, [f"{plan.benchmark.name} (second round)" for _, plan in round2], dispatch,
-                                {}, round=2)
-            for path, second in seconds.items():
-                graded[path] += more[second]
+        _second_rounds(running, graded, dispatch)
         summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, decisions.get(path),
                                                             deciders.get(path))
                      for path, plan in zip(plan_paths, plans)}
         return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
     return cancel.state
+
+
+def _plan(requests: list[EvalRequest], decide: str | None, dispatch: str
+          ) -> tuple[list[str], list[EvalPlan], dict[str, Decider], dict[str, Decision], list[tuple[str, EvalPlan]]]:
+    """Resolve every request (a task each): (plan paths, plans, the deciders and decisions of evaluations that may
+    stop early, the (path, plan) of those still to run)."""
+    if decide and dispatch == "inline":
+        raise ConfigError("decide stops the shards while they generate, which needs them running beside this "
+                          "flow run (dispatch='deployment'); inline shards run inside it one after another. "
+                          "Drop decide or use dispatch='deployment'")
+    # inline shards run one after another: more than one only repeats the engine load
+    num_gpus = pool_num_gpus() if dispatch == "deployment" else 1
+    plan_paths = [resolve_task(request, num_gpus) for request in requests]
+    plans = [load_plan(path) for path in plan_paths]
+    deciders, decisions = deciders_for(plan_paths, plans) if dispatch == "deployment" else ({}, {})
+    # an evaluation an earlier attempt stopped early needs no shard again
+    running = [(path, plan) for path, plan in zip(plan_paths, plans)
+               if not (path in decisions and decisions[path].stopped)]
+    return plan_paths, plans, deciders, decisions, running
+
+
+def _second_rounds(running: list[tuple[str, EvalPlan]], graded: dict[str, list[str]], dispatch: str) -> None:
+    """Adaptive samples: a second round where the first left problems uncertain (evaldag.request.second_round); its
+    graded files join the first round's in `graded`."""
+    seconds = {path: second_round_task(path, graded[path]) for path, plan in running if plan.request.adaptive}
+    seconds = {path: second for path, second in seconds.items() if second is not None}
+    if seconds:
+        round2 = [(second, load_plan(second)) for second in seconds.values()]
+        more, _ = _generate(round2, [f"{plan.benchmark.name} (second round)" for _, plan in round2], dispatch,
+                            {}, round=2)
+        for path, second in seconds.items():
+            graded[path] += more[second]
 
 
 def _generate(running: list[tuple[str, EvalPlan]], names: list[str], dispatch: str, deciders: dict[str, Decider],
