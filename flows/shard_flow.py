@@ -18,6 +18,7 @@ from evaldag.scoring.grading import start_worker_server
 from evaldag.runtime.liveness import fence, revive, watch_for_false_crash
 from evaldag.request.plan import load_plan
 from evaldag.pipeline.generate import workload
+from evaldag.pipeline.loss_files import missing as eval_loss_missing
 from tasks.gpu_slots import hold_gpus, in_deployment
 from tasks.launch_shard import check_models
 from tasks.shard_stages import generate_task, grade_task
@@ -42,8 +43,10 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | None | lis
 def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | None | list[str | None]:
     paths = [plan_path] if isinstance(plan_path, str) else list(plan_path)
     plans = [load_plan(p) for p in paths]
+    # a plan whose reference solutions are not scored yet (eval_loss) needs its engine too
     to_generate = [plan for plan in plans
-                   if plan.reference is not None or not plan.generations_path(shard_index).is_file()]
+                   if plan.reference is not None or not plan.generations_path(shard_index).is_file()
+                   or eval_loss_missing(plan, shard_index)]
     for plan in to_generate:      # a clear error before anything reads the folder (the tokenizer, just below)
         check_models(plan)
     gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)

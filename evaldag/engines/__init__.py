@@ -113,13 +113,19 @@ def _tokenizer(model_path: str, trust_remote_code: bool):
     return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
 
 
+def tokenizer_of(model):
+    """The tokenizer of `model`'s folder (a ResolvedModel with local weights), loaded once per process: the one the
+    workload is measured with (evaldag.pipeline.eval_loss sizes its scoring with it too)."""
+    return _tokenizer(model.path, bool(model.engine_args.get("trust_remote_code", False)))
+
+
 def workload(model, prompts: list[str], sampling, sequences: int | None = None) -> Workload | None:
     """What generating `prompts` with `sampling` (a SamplingConfig) asks of `model`'s engine (a ResolvedModel):
     the longest chat-formatted prompt in tokens plus max_new_tokens, `sequences` (default prompts x n), greedy or
     not; None for an engine that does not size itself, or no prompts."""
     if model.engine not in _SIZED or not prompts:
         return None
-    tok = _tokenizer(model.path, bool(model.engine_args.get("trust_remote_code", False)))
+    tok = tokenizer_of(model)
     # the chat template holds the special tokens already (as the engines tokenize)
     ids = tok([chat_text(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]
     return Workload(context_tokens=max(len(i) for i in ids) + sampling.max_new_tokens,
@@ -204,4 +210,4 @@ def engine_for(model, workload: Workload | None = None) -> Iterator[Loaded]:
 
 
 __all__ = ["Completion", "EXACT_KL_ENGINES", "Engine", "Loaded", "Workload", "close_all", "default_engine",
-           "engine_for", "keep_loaded", "load_engine", "workload"]
+           "engine_for", "keep_loaded", "load_engine", "tokenizer_of", "workload"]

@@ -1,7 +1,8 @@
 """The generate stage of a shard: its completions, made durable in chunks while they come (evaldag.pipeline.chunks)
 by one of the two ways of running a shard on an engine (evaldag.pipeline.shard_runs), merged into the generations
-file; a shard whose generations exist reuses them. Then, where the plan names a reference model, the score stage
-(evaldag.pipeline.score)."""
+file; a shard whose generations exist reuses them. With the same engine, where the plan asks for eval_loss, its
+reference solutions are scored (evaldag.pipeline.eval_loss); then, where the plan names a reference model, the score
+stage (evaldag.pipeline.score)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from upath import UPath
 
 from evaldag.pipeline.chunks import merge_chunks, tokens_of
+from evaldag.pipeline.eval_loss import eval_loss_shard, loss_workload
 from evaldag.pipeline.progress import ShardProgress
 from evaldag.pipeline.records import peak_gpu_mb, peak_rss_mb, record_stage
 from evaldag.pipeline.score import score_shard
@@ -44,6 +46,7 @@ def generate_shard(plan: EvalPlan, shard: int, progress: Progress | None = None)
             if not _generate(plan, shard, out, progress):
                 return None
             record_stage(plan, shard, "generate", computed=True)
+    eval_loss_shard(plan, shard)     # generations found done: the reference solutions may not be scored yet
     if plan.reference is not None:
         score_shard(plan, shard)
     return out
@@ -74,6 +77,8 @@ def _generate(plan: EvalPlan, shard: int, out: UPath, progress: Progress | None 
         if run.todo:
             check_context(plan, got.engine, prompts)
         run.generate()
+        if not run.stopped:     # with the engine at hand (sized for it: workload), not a second load
+            eval_loss_shard(plan, shard, got.engine)
     if run.stopped:
         log.info("shard %d: stopped at its parent's request (the evaluation is decided); %d of %d problems "
                  "generated, kept in %s", shard, run.done, len(run.prompts), chunks)
@@ -93,5 +98,7 @@ def workload(plan: EvalPlan, shard: int):
     from evaldag import engines
 
     prompts = plan.shard_inputs(shard)["prompt"].to_list()
-    return engines.workload(plan.resolved_model, prompts, plan.sampling,
+    need = engines.workload(plan.resolved_model, prompts, plan.sampling,
                             sum(count for _, count in plan.shard_runs(shard)))
+    scoring = loss_workload(plan, shard)        # the reference solutions, scored on the same load
+    return need if scoring is None else scoring.covering(need)

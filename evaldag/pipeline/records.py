@@ -13,6 +13,7 @@ import resource
 import polars as pl
 from upath import UPath
 
+from evaldag.pipeline.loss_files import STAGE, loss_path, wanted
 from evaldag.request.plan import EvalPlan
 from evaldag.storage import store
 
@@ -46,6 +47,8 @@ def _shard_outputs(plan: EvalPlan, shard: int) -> dict[str, UPath]:
     outputs = {"generate": plan.generations_path(shard), "grade": plan.graded_path(shard)}
     if plan.reference is not None:
         outputs["score"] = plan.logprobs_path(shard)
+    if wanted(plan):
+        outputs[STAGE] = loss_path(plan, shard)
     return outputs
 
 

@@ -1,5 +1,5 @@
 """The reduce stage: the shards' graded files merged and checked complete, every metric computed (adaptive rounds,
-KL, plugins, the shard diagnostic, a sequential verdict's figures), samples.parquet and metrics.json written."""
+KL, eval_loss, plugins, the shard diagnostic, a sequential verdict's figures), samples.parquet and metrics.json written."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import polars as pl
 from evaldag.decisions import adaptive as adaptive_metrics
 from evaldag.decisions import decide
 from evaldag.decisions.verdicts import PROBLEM_SCORE
+from evaldag.pipeline.eval_loss import read_losses
 from evaldag.pipeline.grade import group_answers
+from evaldag.pipeline.loss_files import STAGE as LOSS_STAGE
 from evaldag.request.plan import EvalPlan, load_plan
 from evaldag.request.second_round import second_round_path
 from evaldag.scoring import metrics as metricsmod
@@ -21,7 +23,7 @@ from evaldag.storage.schema import GRADED_SCHEMA, LOGPROB_SCHEMA, read_table
 
 
 _STAT_COLUMNS = ("model_load_s", "engine_loads", "generation_s", "generation_tokens", "grading_s", "grading_samples", "scoring_s",
-                 "peak_rss_mb", "peak_gpu_mb")
+                 "eval_loss_s", "peak_rss_mb", "peak_gpu_mb")
 
 
 def _stats_table(plan: EvalPlan) -> pl.DataFrame:
@@ -29,7 +31,7 @@ def _stats_table(plan: EvalPlan) -> pl.DataFrame:
     rows = []
     for i in range(plan.num_shards):
         row: dict = {"shard_index": i, **dict.fromkeys(_STAT_COLUMNS, 0.0)}
-        for stage in ("generate", "grade", "score"):
+        for stage in ("generate", "grade", "score", LOSS_STAGE):
             path = plan.stats_path(stage, i)
             if path.is_file():
                 stats = store.read_json(path)
@@ -117,6 +119,12 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
 
         logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
         result.update(kl_metrics(logprobs, sampling=plan.sampling))
+    losses = read_losses(plan, expected)        # None: no eval_loss asked for, or not every problem scored
+    if losses is not None:
+        from evaldag.scoring.eval_loss import eval_loss_metrics, with_loss
+
+        result.update(eval_loss_metrics(losses))
+        losses = with_loss(losses).select("sample_id", "eval_loss")
     if plan.benchmark.metrics:    # a team's own statistics (evaldag.scoring.plugins), over the first round too
         from evaldag.scoring.plugins import plugin_metrics
 
@@ -128,6 +136,8 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))
     if scores is not None:        # what paired verdicts compare per problem (evaldag.decisions.verdicts)
         samples = samples.join(scores, on="sample_id", how="left", maintain_order="left")
+    if losses is not None:        # each problem's loss on its rows: what the job's eval_loss_jump pairs
+        samples = samples.join(losses, on="sample_id", how="left", maintain_order="left")
     store.write_parquet(plan.path("samples.parquet"), samples.drop("completion_ids"))
     if plan.request.decide is not None and (decision := decide.Decision.load(plan)) is not None:
         # the sequential verdict's figures (decide.*): metrics.json holds all the MLflow run gets, so sync logs them

@@ -63,6 +63,8 @@ class FieldMap(_Strict):
     answer: str
     subject: str | None = None
     level: str | None = None
+    solution: str | None = Field(None, description="the column holding a worked reference solution (MATH-500's "
+                                                   "solution, GSM8K's answer), scored for eval_loss; null: none")
 
 
 class BenchmarkConfig(_Strict):
@@ -83,6 +85,9 @@ class BenchmarkConfig(_Strict):
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="correctness")],
                                       description="reward components, summed with their weights")
     pass_k: list[int] | None = Field(None, description="ks for pass@k/maj@k; default 1, 2, 4, ... up to n")
+    eval_loss: bool = Field(False, description="score the reference solutions (fields.solution) after each prompt "
+                                               "and log eval_loss, their mean nll per token "
+                                               "(evaldag.scoring.eval_loss); a request's eval_loss overrides it")
     metrics: list[str] = Field(default_factory=list,
                                description="metric plug-ins run on the graded table at reduce: entry point names of "
                                            "group evaldag.metrics, or 'package.module:function' "
@@ -103,6 +108,8 @@ class BenchmarkConfig(_Strict):
     def _instruction_has_problem(self) -> "BenchmarkConfig":
         if "{problem}" not in self.instruction:
             raise ValueError("instruction must contain the placeholder {problem}")
+        if self.eval_loss and self.fields.solution is None:
+            raise ValueError("eval_loss needs fields.solution: the dataset column with the reference solutions")
         return self
 
     def render_prompt(self, problem: str) -> str:

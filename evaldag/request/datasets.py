@@ -72,7 +72,7 @@ def load_benchmark_rows(cfg: BenchmarkConfig, limit: int | None = None) -> Loade
     if not rows:
         raise DatasetError(f"benchmark {cfg.name!r}: {source} has no rows")
     f = cfg.fields
-    for key in (f.id, f.problem, f.answer, f.subject, f.level):
+    for key in (f.id, f.problem, f.answer, f.subject, f.level, f.solution):
         if key and key not in rows[0]:
             raise DatasetError(f"benchmark {cfg.name!r}: field {key!r} (from the config's `fields`) is not in the "
                                f"dataset {source}; it has {sorted(rows[0])}")
@@ -98,3 +98,19 @@ def load_benchmark_rows(cfg: BenchmarkConfig, limit: int | None = None) -> Loade
     from evaldag.storage.schema import INPUT_SCHEMA
     inputs = pl.DataFrame(records, schema=INPUT_SCHEMA)
     return LoadedBenchmark(inputs=inputs, dataset_hash=dataset_hash, source=source, total_rows=len(rows))
+
+
+def load_solutions(cfg: BenchmarkConfig, sample_ids: list[str]) -> list[str]:
+    """The reference solutions (the `fields.solution` column) of `sample_ids`, in their order, for eval_loss
+    (evaldag.scoring.eval_loss). Raises DatasetError when the config names no such column, the dataset lacks it, or
+    a problem has none."""
+    f = cfg.fields
+    if f.solution is None:
+        raise DatasetError(f"benchmark {cfg.name!r} names no reference solution column (fields.solution)")
+    rows, source = _load_rows(cfg)
+    by_id = {str(r[f.id]): r.get(f.solution) for r in rows}
+    missing = [sid for sid in sample_ids if by_id.get(sid) in (None, "")]
+    if missing:
+        raise DatasetError(f"benchmark {cfg.name!r}: {len(missing)} problems have no {f.solution!r} in {source}, "
+                           f"e.g. {missing[:3]}")
+    return [str(by_id[sid]) for sid in sample_ids]

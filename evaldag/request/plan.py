@@ -25,6 +25,7 @@ from evaldag.request.config import BenchmarkConfig, EngineName, SamplingConfig, 
 from evaldag.request.datasets import load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.request.gpus import shard_gpus
+from evaldag.scoring.eval_loss import EVAL_LOSS_VERSION
 from evaldag.scoring.grading import GRADER_VERSION
 from evaldag.request.keys import result_engine_args
 from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine
@@ -98,6 +99,9 @@ class EvalRequest(BaseModel):
     decide_rounds: int | None = Field(None, ge=1, le=1000, description="how many times, at equal steps of the "
                                                                        "problems, the verdict is read (default "
                                                                        f"{DEFAULT_ROUNDS})")
+    eval_loss: bool | None = Field(None, description="score the benchmark's reference solutions after each prompt "
+                                                     "and log eval_loss (evaldag.scoring.eval_loss); default: the "
+                                                     "benchmark config's eval_loss")
     # Adaptive samples (evaldag.decisions.adaptive, evaldag.request.second_round). Part of the eval_key (the metrics
     # are its estimate), not of the first round's generation key: a fixed n = n0 evaluation shares those rows.
     adaptive: AdaptiveSettings | None = Field(None, description="n0 samples of every problem, then more where the "
@@ -141,6 +145,7 @@ class EvalPlan(BaseModel):
     pipeline_version: str = PIPELINE_VERSION
     grader_version: str = GRADER_VERSION
     round: int = 1                    # 2: an adaptive evaluation's second round (evaldag.request.second_round)
+    eval_loss: bool = False           # the shards score the reference solutions (evaldag.pipeline.eval_loss)
     _inputs: pl.DataFrame | None = PrivateAttr(default=None)
 
     @property
@@ -365,6 +370,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     if reference and request.decide:
         raise ConfigError("decide (stopping early) and a reference model (KL) cannot be combined: the KL estimate "
                           "scores every completion of the evaluation; drop `reference` or `decide`")
+    eval_loss = _eval_loss(request, bench, model)
     split_key = {} if runs is None else {"sample_runs": runs}   # absent when not split: older keys stay valid
     if request.decide is not None and model.engine != "vllm":
         # a static-batch engine cuts its batches along the decision order (evaldag.pipeline.shard_runs), which changes
@@ -397,8 +403,10 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     regrouped = {} if runs is None else {"answer_groups": "across-shards"}
     adaptive_key = {} if adaptive is None else {"adaptive": adaptive.model_dump()}
     plugin_metrics = {"metrics": bench.metrics} if bench.metrics else {}    # metric plug-ins' figures are results
+    loss_key = {"eval_loss": EVAL_LOSS_VERSION} if eval_loss else {}
     eval_key = compute_eval_key({
-        **decide, **regrouped, **adaptive_key, **plugin_metrics,    # absent when not asked for: older keys stay valid
+        **decide, **regrouped, **adaptive_key, **plugin_metrics, **loss_key,    # absent when not asked for: older
+        # keys stay valid
         "grade": grade_key, "rewards": [r.model_dump() for r in bench.rewards], "pass_k": pass_k,
         "reference": reference.fingerprint if reference else None, "step": request.step, "train_run": train_run,
     })
@@ -407,13 +415,30 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
         eval_key=eval_key, request=request, benchmark=bench, model=model, sampling=sampling,
         num_shards=len(shards), dataset_hash=data.dataset_hash, dataset_source=data.source,
         n_problems=data.inputs.height, shards=shards, sample_runs=runs, pass_k=pass_k, train_run=train_run,
-        reference=reference, generation_key=generation_key, grade_key=grade_key,
+        reference=reference, generation_key=generation_key, grade_key=grade_key, eval_loss=eval_loss,
         result_dir=str(root / bench.name / eval_key[:24]), stage_dir=str(root / bench.name / f"gen-{generation_key[:24]}"),
     )
     write_table(data.inputs, plan.path("inputs.parquet"), INPUT_SCHEMA)
     path = store.write_text(plan.path("plan.json"), plan.model_dump_json(indent=2))
     _remember((str(path), _identity(path)), plan)
     return plan
+
+
+def _eval_loss(request: EvalRequest, bench: BenchmarkConfig, model: ResolvedModel) -> bool:
+    """Whether the evaluation scores its reference solutions (evaldag.scoring.eval_loss): the request's eval_loss,
+    else the benchmark's. Asked for explicitly, it is refused where it cannot be had (no solution column, an engine
+    that cannot score given text); on by the benchmark's default, it is left out there instead."""
+    asked = request.eval_loss
+    if asked is False or (asked is None and not bench.eval_loss):
+        return False
+    if bench.fields.solution is None:
+        raise ConfigError(f"eval_loss: benchmark {bench.name!r} has no reference solutions (fields.solution)")
+    if model.engine == "openai":
+        if asked:
+            raise ConfigError("eval_loss scores the reference solutions' tokens, which engine 'openai' (a server's "
+                              "API) cannot do; use engine vllm or hf, or eval_loss=false")
+        return False
+    return True
 
 
 def _pass_k(requested: list[int] | None, configured: list[int] | None, n: int) -> list[int]:

@@ -16,7 +16,7 @@ from evaldag.storage.schema import GRADE_STATUSES
 # Figures of how a computation ran (time, memory, throughput, cache use), not of what it found: two computations of
 # one evaluation differ in these and only these (system_metrics' keys, plus reduce's own time and the cache use).
 MEASUREMENT_KEYS = frozenset({
-    "generation_tokens", "generation_s", "grading_s", "scoring_s", "model_load_s", "engine_loads",
+    "generation_tokens", "generation_s", "grading_s", "scoring_s", "eval_loss_s", "model_load_s", "engine_loads",
     "shard_peak_rss_mb", "shard_peak_gpu_mb", "shard_generation_s_max", "generation_tokens_per_s",
     "generation_tokens_per_s_per_gib", "grading_samples_per_s", "latency_p50_s", "latency_p95_s", "latency_p99_s",
     "reduce_s", "cache_hit_rate",
@@ -136,6 +136,8 @@ def system_metrics(shard_stats: pl.DataFrame, graded: pl.DataFrame) -> dict[str,
     metrics = {k: float(v or 0.0) for k, v in row.items()}
     if "engine_loads" in shard_stats.columns:    # 0 for a shard whose engine was already loaded by another benchmark
         metrics["engine_loads"] = float(shard_stats["engine_loads"].sum())
+    if "eval_loss_s" in shard_stats.columns and shard_stats["eval_loss_s"].sum() > 0:   # scoring reference solutions
+        metrics["eval_loss_s"] = float(shard_stats["eval_loss_s"].sum())
     metrics["generation_tokens_per_s"] = (metrics["generation_tokens"] / metrics["generation_s"]
                                           if metrics["generation_s"] > 0 else 0.0)
     per_gib = _tokens_per_s_per_gib(shard_stats)
