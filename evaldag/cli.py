@@ -95,6 +95,7 @@ def up(
     from rich.console import Console
 
     from evaldag.runtime.stack import Stack, StackSettings
+    from evaldag.runtime.stack_report import print_up
 
     if gpu_workers is not None:
         warn_deprecated("--gpu-workers", "--gpus")
@@ -105,38 +106,7 @@ def up(
                                          api_auth=auth))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
-    _print_up(console, stack, report)
-
-
-def _print_up(console, stack, report) -> None:
-    """What `evaldag up` did, where the UIs are, and the environment that points clients at the stack."""
-    if report.started:
-        console.print(f"started: {', '.join(report.started)}")
-    if report.kept:
-        console.print(f"already running: {', '.join(report.kept)}")
-    if report.stopped:
-        console.print(f"stopped (no longer configured): {', '.join(report.stopped)}")
-    if report.deployed:
-        console.print(f"deployed {stack.deployments_file.relative_to(stack.deployments_file.parents[1])}")
-    console.print(f"[green]stack is up[/] ({report.elapsed_s:.1f} s, state in {stack.home})")
-    console.print(f"  Prefect UI: {stack.prefect_url}")
-    console.print(f"  MLflow UI:  {redact_url(stack.mlflow_url)}")
-    st = stack.settings
-    pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
-    console.print(f"  gpu pool:   {st.num_gpu_workers} worker(s) x {st.tp} GPU(s) [{pins or 'none'}], concurrency "
-                  f"limit evaldag-gpus = {st.num_gpus}", markup=False)
-    if st.postgres or st.database_url:
-        db = f"private PostgreSQL in {stack.postgres_dir}" if st.postgres else "as given by --database-url"
-        console.print(f"  database:   {db}", markup=False)
-    if st.for_nodes:
-        auth = ' --auth "$EVALDAG_API_AUTH"' if stack.client_auth_env() else ""
-        console.print(f"  join a GPU node: evaldag worker --server http://{st.public_host}:{st.prefect_port}{auth} "
-                      "--gpus N", markup=False)
-    console.print("To use it from this shell:")
-    for line in stack.env_lines(secrets=False):   # a password printed here would stay in logs and scrollback
-        console.print(f"  {line}", markup=False)
-    if stack.client_auth_env():
-        console.print('  (the servers require the API auth: eval "$(evaldag env)" exports it too)', markup=False)
+    print_up(console, stack, report)
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -188,6 +158,7 @@ def worker(
     from evaldag.runtime.cluster import server_url
     from evaldag.runtime.node_clock import check_clock
     from evaldag.runtime.stack import Stack, StackSettings
+    from evaldag.runtime.stack_report import print_joined
 
     # before anything starts: a node whose clock lags the head's has every live shard crashed as lost
     check_clock(server_url(server) + "/api", max_clock_skew_s)
@@ -201,18 +172,7 @@ def worker(
                                          worker_env=overrides, api_auth=auth))
     with console.status(f"joining {stack.settings.server} from {stack.home} ..."):
         report = stack.up(deploy=False)
-    if report.started:
-        console.print(f"started: {', '.join(report.started)}", markup=False)
-    if report.kept:
-        console.print(f"already running: {', '.join(report.kept)}", markup=False)
-    if report.stopped:
-        console.print(f"stopped (no longer configured): {', '.join(report.stopped)}", markup=False)
-    st = stack.settings
-    pins = " | ".join(",".join(ids) if ids is not None else "unpinned" for ids in st.gpu_assignment)
-    console.print(f"[green]node {st.node_name} joined {st.server}[/] ({report.elapsed_s:.1f} s, state in "
-                  f"{stack.home})")
-    console.print(f"  gpu workers: {st.num_gpu_workers} x {st.tp} GPU(s) [{pins}]", markup=False)
-    console.print(f"  MLflow:      {redact_url(stack.mlflow_url)}", markup=False)
+    print_joined(console, stack, report)
 
 
 @app.command()
@@ -279,6 +239,18 @@ def prepare_model(
     typer.echo(f"{model.name}: {model.path} (fingerprint {model.fingerprint[:16]})")
 
 
+def _check_run_options(ctx: typer.Context, benchmark: str, benchmarks: str | None, decide: bool,
+                       decide_settings: bool, both_adaptive_sizes: bool) -> None:
+    """Refuse `evaldag run` options that contradict each other (before anything is started)."""
+    if not decide and decide_settings:
+        raise typer.BadParameter("--decide-margin and --decide-alpha set how --decide decides; add --decide")
+    if both_adaptive_sizes:
+        raise typer.BadParameter("--adaptive-budget and --adaptive-width are two ways to size adaptive samples; "
+                                 "give one")
+    if benchmarks is not None and getattr(ctx.get_parameter_source("benchmark"), "name", None) == "COMMANDLINE":
+        raise typer.BadParameter(f"give BENCHMARK ({benchmark}) or --benchmarks, not both")
+
+
 @app.command()
 def run(
     ctx: typer.Context,
@@ -321,13 +293,8 @@ def run(
     from evaldag.runtime.deployments import SUITE
     from evaldag.runtime.stack import Stack
 
-    if not decide and (decide_margin is not None or decide_alpha is not None):
-        raise typer.BadParameter("--decide-margin and --decide-alpha set how --decide decides; add --decide")
-    if adaptive_budget is not None and adaptive_width is not None:
-        raise typer.BadParameter("--adaptive-budget and --adaptive-width are two ways to size adaptive samples; "
-                                 "give one")
-    if benchmarks is not None and getattr(ctx.get_parameter_source("benchmark"), "name", None) == "COMMANDLINE":
-        raise typer.BadParameter(f"give BENCHMARK ({benchmark}) or --benchmarks, not both")
+    _check_run_options(ctx, benchmark, benchmarks, decide, decide_margin is not None or decide_alpha is not None,
+                       adaptive_budget is not None and adaptive_width is not None)
     names = runner.benchmark_names(benchmarks, typer.BadParameter) if benchmarks is not None else [benchmark]
     stack = Stack()
     sampling = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).items()
