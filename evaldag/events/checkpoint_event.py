@@ -136,14 +136,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     if extra_size > MAX_EXTRA_BYTES:
         raise CheckpointError(f"{where}: extra is {extra_size} bytes of JSON; at most {MAX_EXTRA_BYTES} are accepted "
                               "(it carries a few settings such as limit; keep large data out of the event)")
-    if "\0" in raw:
-        raise CheckpointError(f"{where}: path contains a NUL character")
-    if not os.path.isabs(raw):
-        raise CheckpointError(f"{where}: path {raw!r} is not absolute; send the absolute checkpoint folder "
-                              "(CheckpointNotifier.notify does this)")
-    # Checked on the raw string: after normalisation `..` would be gone and the intent to escape hidden.
-    if ".." in PurePath(raw).parts:
-        raise CheckpointError(f"{where}: path {raw!r} contains '..' components; send the plain absolute folder")
+    _check_raw_path(raw, where)
     _check_marker(marker)
     if not allowed_roots:
         raise CheckpointError(f"{where}: no checkpoint roots are allowed, so {raw} is refused; set {ROOTS_ENV} "
@@ -158,15 +151,7 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
                               f"({', '.join(str(r) for r in roots)}); add its root to {ROOTS_ENV}")
     if not real.exists():
         raise CheckpointError(f"{where}: checkpoint folder {raw} does not exist")
-    # the folder name is what the sweeper reads the step from: an event that says otherwise (checkpoint-1200 sent
-    # as step 1100) would file one checkpoint's results under two steps, or another's under this one. verl's
-    # model is named after the global_step_N folder above it.
-    for name in dict.fromkeys((step_folder(Path(raw)).name, step_folder(real).name)):
-        named = parse_step(name)
-        if named is not None and named != event.step:
-            raise CheckpointError(f"{where}: the folder name {name!r} says step {named}, the event says step "
-                                  f"{event.step}; send the step the checkpoint was saved at (or a folder named "
-                                  "after it)")
+    _check_named_step(raw, real, event.step, where)
     _check_links_stay_inside(real, roots, where)
     if marker is not None and not (real / marker).is_file():
         raise CheckpointError(f"{where}: {raw} has no {marker} marker; the trainer writes it once the checkpoint "
@@ -176,6 +161,31 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     except CheckpointError as e:
         raise CheckpointError(f"{where}: {e}") from None
     return event.model_copy(update={"path": str(real)})
+
+
+def _check_raw_path(raw: str, where: str) -> None:
+    """Refuse an event path with a NUL, a relative one, or one with `..` components."""
+    if "\0" in raw:
+        raise CheckpointError(f"{where}: path contains a NUL character")
+    if not os.path.isabs(raw):
+        raise CheckpointError(f"{where}: path {raw!r} is not absolute; send the absolute checkpoint folder "
+                              "(CheckpointNotifier.notify does this)")
+    # Checked on the raw string: after normalisation `..` would be gone and the intent to escape hidden.
+    if ".." in PurePath(raw).parts:
+        raise CheckpointError(f"{where}: path {raw!r} contains '..' components; send the plain absolute folder")
+
+
+def _check_named_step(raw: str, real: Path, step: int, where: str) -> None:
+    """Refuse a checkpoint folder whose name says another step than the event's."""
+    # the folder name is what the sweeper reads the step from: an event that says otherwise (checkpoint-1200 sent
+    # as step 1100) would file one checkpoint's results under two steps, or another's under this one. verl's
+    # model is named after the global_step_N folder above it.
+    for name in dict.fromkeys((step_folder(Path(raw)).name, step_folder(real).name)):
+        named = parse_step(name)
+        if named is not None and named != step:
+            raise CheckpointError(f"{where}: the folder name {name!r} says step {named}, the event says step "
+                                  f"{step}; send the step the checkpoint was saved at (or a folder named "
+                                  "after it)")
 
 
 def _check_links_stay_inside(folder: Path, roots: list[Path], where: str) -> None:
