@@ -13,7 +13,7 @@ export EVALDAG_DATA_DIR ?= $(abspath ../shared/data)
 # `vllm` import) elsewhere. Override with `make setup DEVICE=cpu|cuda`.
 DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
 
-.PHONY: setup model up run test test-fast test-postgres test-vllm bench bench-vllm bench-peer down status clean
+.PHONY: setup model up run test test-fast test-postgres test-vllm docs bench bench-vllm bench-peer down status clean
 
 setup: $(VENV)/.installed
 
@@ -81,6 +81,11 @@ test-fast: setup
 
 test-vllm: setup model
 	$(BIN)/python -m pytest -q tests/engine_vllm
+
+# The documentation site (mkdocs.yml, docs/), served with live reload at http://127.0.0.1:8000. mkdocs and
+# mkdocs-material come with the `test` extra (tests/test_docs.py builds the site with --strict).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 bench: model
 	$(BIN)/python bench/bench_grading.py

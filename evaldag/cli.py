@@ -268,7 +268,7 @@ def run(
     final_step: Annotated[Optional[int], typer.Option(min=1, help="the training job's planned last step: its "
                                                       "parent run gets a forecast of the accuracy there")] = None,
     decide: Annotated[bool, typer.Option(help="stop generating as soon as the paired verdict against the job's "
-                                         "best checkpoint so far is decided (README: Stopping early)")] = False,
+                                         "best checkpoint so far is decided (docs/stop-early.md)")] = False,
     decide_margin: Annotated[Optional[float], typer.Option(min=0, max=0.99, help="with --decide: the accuracy "
                                                            "difference within which it is `equivalent`")] = None,
     decide_alpha: Annotated[Optional[float], typer.Option(min=0.0001, max=0.5, help="with --decide: its error "
@@ -277,7 +277,7 @@ def run(
                                                          "temperature (adaptive samples need one above 0)")] = None,
     adaptive_budget: Annotated[Optional[int], typer.Option(min=1, help="adaptive samples: n0 samples of every "
                                                            "problem, then more where the outcome is uncertain, "
-                                                           "this many samples in all (README: Adaptive samples)")]
+                                                           "this many samples in all (docs/stop-early.md)")]
     = None,
     adaptive_width: Annotated[Optional[float], typer.Option(min=0.001, max=0.99, help="adaptive samples until the "
                                                             "accuracy's interval is about this wide (0.05 = 5 "

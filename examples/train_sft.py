@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="ask for quick evaluations of the first N problems only (sent in the event; default: all)")
     p.add_argument("--decide", action="store_true",
                    help="stop each evaluation as soon as its verdict against the job's best checkpoint so far is "
-                        "decided (README: Stopping early)")
+                        "decided (docs/stop-early.md)")
     p.add_argument("--api-url", default=os.environ.get("PREFECT_API_URL"),
                    help="Prefect API URL (default: $PREFECT_API_URL); without one, events are spooled")
     p.add_argument("--seed", type=int, default=0)

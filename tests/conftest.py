@@ -126,7 +126,7 @@ def anyio_backend():
     return "asyncio"
 
 
-# What the marks promise (README, Tests): `-m "not stack"` starts no stack, `-m "not stack and not model"` loads no
+# What the marks promise (docs/testing.md): `-m "not stack"` starts no stack, `-m "not stack and not model"` loads no
 # model either. Both are enforced, so a new test cannot quietly make the fast subset slow.
 _STACK_FIXTURES = {"live_stack", "stack"}   # conftest's session stack, test_stack.py's module stack
 
