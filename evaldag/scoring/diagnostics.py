@@ -157,6 +157,26 @@ def _problem_scores(graded: pl.DataFrame, present: list[int]) -> tuple[np.ndarra
     return counts, shard_of
 
 
+def _shard_p(graded: pl.DataFrame, by: pl.DataFrame, present: list[int], permutations: int, seed: int,
+             details: dict[str, Any]) -> float:
+    """shard_disagreement's permutation p-value (over problems, or over samples within problems where the plan
+    split problems over shards); the chi-square figures go into `details` for reference."""
+    from scipy.stats import chi2, chi2_contingency
+
+    table = np.column_stack([by["correct"].to_numpy(), (by["n"] - by["correct"]).to_numpy()])
+    stat, p_iid, dof, _ = chi2_contingency(table, correction=False)
+    deff = _design_effect(graded)
+    if graded.select(pl.col("shard_index").n_unique().over("sample_id").max()).item() > 1:
+        details["test"] = "permutation of samples within problems"   # the plan split problems over shards
+        p = _within_problem_p(graded, present, permutations, seed)
+    else:
+        counts, shard_of = _problem_scores(graded, present)
+        p = _permutation_p(counts, shard_of, len(present), permutations, seed)
+    details.update(chi2=float(stat), dof=int(dof), design_effect=deff, p_value=p, p_value_iid=float(p_iid),
+                   p_value_design_effect=float(chi2.sf(stat / deff, dof)), permutations=permutations)
+    return p
+
+
 def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: int | None = None,
                        permutations: int = PERMUTATIONS, seed: int = 0) -> Diagnostic:
     """Do the shards' accuracies differ more than their problems' difficulties explain?
@@ -195,19 +215,7 @@ def shard_disagreement(graded: pl.DataFrame, alpha: float = 0.01, num_shards: in
         details["p_value"] = 1.0
         return Diagnostic(name, False, untestable + note, "None.", details)
 
-    from scipy.stats import chi2, chi2_contingency
-
-    table = np.column_stack([by["correct"].to_numpy(), (by["n"] - by["correct"]).to_numpy()])
-    stat, p_iid, dof, _ = chi2_contingency(table, correction=False)
-    deff = _design_effect(graded)
-    if graded.select(pl.col("shard_index").n_unique().over("sample_id").max()).item() > 1:
-        details["test"] = "permutation of samples within problems"   # the plan split problems over shards
-        p = _within_problem_p(graded, present, permutations, seed)
-    else:
-        counts, shard_of = _problem_scores(graded, present)
-        p = _permutation_p(counts, shard_of, len(present), permutations, seed)
-    details.update(chi2=float(stat), dof=int(dof), design_effect=deff, p_value=p, p_value_iid=float(p_iid),
-                   p_value_design_effect=float(chi2.sf(stat / deff, dof)), permutations=permutations)
+    p = _shard_p(graded, by, present, permutations, seed, details)
     accs = ", ".join(f"{s}: {a:.3f} (n={n}, {k} problems)" for s, a, n, k in
                      by.select("shard_index", "accuracy", "n", "problems").iter_rows())
     floor = f" (the smallest p-value {permutations} permutations can give)" if p <= 1 / (1 + permutations) else ""
