@@ -47,6 +47,33 @@ class SequentialVerdict:
     margin: float
 
 
+def _observation_ranges(d: np.ndarray, d_high: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """confidence_sequence's observations as ranges of x = (d + 1) / 2 in [0, 1], shape (runs, T) (low, high), and
+    whether `d` was a single sequence; refuses observations outside [-1, 1] or a d_high below d."""
+    lo_d = np.asarray(d, dtype=np.float64)
+    hi_d = lo_d if d_high is None else np.asarray(d_high, dtype=np.float64)
+    if hi_d.shape != lo_d.shape or np.any(hi_d < lo_d):
+        raise ValueError("d_high must have d's shape and be >= d everywhere")
+    single = lo_d.ndim == 1
+    lo2, hi2 = (lo_d[None, :], hi_d[None, :]) if single else (lo_d, hi_d)
+    if lo2.size and (np.nanmax(np.abs(lo2)) > 1 + 1e-12 or np.nanmax(np.abs(hi2)) > 1 + 1e-12):
+        raise ValueError("observations must lie in [-1, 1]")
+    return np.clip((lo2 + 1) / 2, 0.0, 1.0), np.clip((hi2 + 1) / 2, 0.0, 1.0), single
+
+
+def _surviving_bounds(alive: np.ndarray, m: np.ndarray, xs: tuple[np.ndarray, np.ndarray], t: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """The lowest and highest surviving candidate means of each run, one grid step wider (a true mean between two
+    grid points); where none survives (probability <= alpha), the observations' mean range instead of NaN."""
+    step = m[1] - m[0]
+    any_alive = alive.any(axis=1)
+    first = np.argmax(alive, axis=1)
+    last = len(m) - 1 - np.argmax(alive[:, ::-1], axis=1)
+    lo_x = np.where(any_alive, m[first] - step, xs[0] / (t + 2))
+    hi_x = np.where(any_alive, m[last] + step, xs[1] / (t + 2))
+    return lo_x, hi_x
+
+
 def confidence_sequence(d: np.ndarray, alpha: float = 0.05, grid_size: int = 401, c: float = 0.5,
                         tune_at: int | None = None, d_high: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Betting confidence sequence for the mean of observations in [-1, 1], at every time.
@@ -66,19 +93,9 @@ def confidence_sequence(d: np.ndarray, alpha: float = 0.05, grid_size: int = 401
     valid at level alpha at any time it is read."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha must be in (0, 1), got {alpha}")
-    lo_d = np.asarray(d, dtype=np.float64)
-    hi_d = lo_d if d_high is None else np.asarray(d_high, dtype=np.float64)
-    if hi_d.shape != lo_d.shape or np.any(hi_d < lo_d):
-        raise ValueError("d_high must have d's shape and be >= d everywhere")
-    single = lo_d.ndim == 1
-    lo2, hi2 = (lo_d[None, :], hi_d[None, :]) if single else (lo_d, hi_d)
-    if lo2.size and (np.nanmax(np.abs(lo2)) > 1 + 1e-12 or np.nanmax(np.abs(hi2)) > 1 + 1e-12):
-        raise ValueError("observations must lie in [-1, 1]")
-    runs, horizon = lo2.shape
-    x_lo = np.clip((lo2 + 1) / 2, 0.0, 1.0)
-    x_hi = np.clip((hi2 + 1) / 2, 0.0, 1.0)
+    x_lo, x_hi, single = _observation_ranges(d, d_high)
+    runs, horizon = x_lo.shape
     m = np.linspace(0.0, 1.0, grid_size)                   # candidate means of x
-    step = m[1] - m[0]
     with np.errstate(divide="ignore"):
         cap_plus = np.where(m > 0, c / m, np.inf)            # keeps 1 + l (x - m) >= 1 - c > 0 for x >= 0
         cap_minus = np.where(m < 1, c / (1 - m), np.inf)     # keeps 1 - l (x - m) >= 1 - c > 0 for x <= 1
@@ -107,13 +124,9 @@ def confidence_sequence(d: np.ndarray, alpha: float = 0.05, grid_size: int = 401
         lm = np.minimum(np.where(down, lam_lo[:, None], lam_hi[:, None]), cap_minus[None, :])
         log_km += np.log1p(-lm * (xh - m[None, :]))
         alive &= np.maximum(log_kp, log_km) < threshold
-        # bounds of the surviving candidates, one grid step wider (a true mean between two grid points)
-        any_alive = alive.any(axis=1)
-        first = np.argmax(alive, axis=1)
-        last = grid_size - 1 - np.argmax(alive[:, ::-1], axis=1)
+        # the observations so far (the mean range where no candidate survives), then the surviving candidates
         xs = (xs[0] + x_lo[:, t], xs[1] + x_hi[:, t])
-        lo_x = np.where(any_alive, m[first] - step, xs[0] / (t + 2))   # nothing left (prob <= alpha): the
-        hi_x = np.where(any_alive, m[last] + step, xs[1] / (t + 2))    # mean's range, not NaN
+        lo_x, hi_x = _surviving_bounds(alive, m, xs, t)
         low[:, t] = 2 * np.clip(lo_x, 0, 1) - 1
         high[:, t] = 2 * np.clip(hi_x, 0, 1) - 1
         sq = _square_range(x_lo[:, t], x_hi[:, t], mu, sq)
