@@ -290,25 +290,12 @@ class PerRequest(ShardRun):
         self._withdrawn: frozenset | None = None
 
     def generate(self) -> None:
-        from evaldag.engines.base import Finished, Request, request_seed
+        from evaldag.engines.base import Finished
 
         every_requests, every_s = chunk_policy()
         t1 = time.perf_counter()
         self.report(force=True)
-        seed = self.plan.sampling.seed
-        # a run of samples first..first+count-1 is one request of n = count seeded `seed + first`: vLLM seeds its
-        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.request.plan.splits_samples)
-        requests = [Request(k, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + first, n=count)
-                    for k in self.todo for i, first, count, _ in [self.pieces[k]]]
-        # Submitted round by round (every problem's first piece, then every second...), each round in a seeded random
-        # order, not the plan's (longest prompt first: harder problems, longer answers, docs/performance.md): the
-        # forecast of the end (evaldag.pipeline.time_left) reads the requests finished so far as a fair sample of
-        # all, which holds only when the order says nothing of length. It is the evaluation's decision order, the
-        # same on every shard, so that a prefix of it completes first where the evaluation may stop early
-        # (evaldag.decisions.decide). Samples do not depend on it (seeds are per sample), beyond the floating-point
-        # effect of what runs beside them.
-        rank = self.decision_rank()
-        requests.sort(key=lambda r: (self.pieces[r.key][3], rank[self.records[self.pieces[r.key][0]]["sample_id"]]))
+        requests, rank = self._ordered_requests()
         window = decide.in_flight(self.plan)
         options = {} if window is None else self._pacing(requests, window, rank)
         # the engine takes requests in this order, `window` at a time (all when None), the next as one finishes
@@ -350,6 +337,27 @@ class PerRequest(ShardRun):
         self.seconds = time.perf_counter() - t1
         self.running_tokens, self.running_counts, self.engine_queued = 0, (), 0
         self.report(force=True)
+
+    def _ordered_requests(self) -> tuple[list, dict[str, int]]:
+        """The engine requests of the pieces to do, in the order they are submitted, and the decision order's rank
+        of each problem."""
+        from evaldag.engines.base import Request, request_seed
+
+        seed = self.plan.sampling.seed
+        # a run of samples first..first+count-1 is one request of n = count seeded `seed + first`: vLLM seeds its
+        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.request.plan.splits_samples)
+        requests = [Request(k, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + first, n=count)
+                    for k in self.todo for i, first, count, _ in [self.pieces[k]]]
+        # Submitted round by round (every problem's first piece, then every second...), each round in a seeded random
+        # order, not the plan's (longest prompt first: harder problems, longer answers, docs/performance.md): the
+        # forecast of the end (evaldag.pipeline.time_left) reads the requests finished so far as a fair sample of
+        # all, which holds only when the order says nothing of length. It is the evaluation's decision order, the
+        # same on every shard, so that a prefix of it completes first where the evaluation may stop early
+        # (evaldag.decisions.decide). Samples do not depend on it (seeds are per sample), beyond the floating-point
+        # effect of what runs beside them.
+        rank = self.decision_rank()
+        requests.sort(key=lambda r: (self.pieces[r.key][3], rank[self.records[self.pieces[r.key][0]]["sample_id"]]))
+        return requests, rank
 
     def _pacing(self, requests: list, window: int, rank: dict[str, int]) -> dict:
         """The engine options of an evaluation that may stop early (evaldag.decisions.decide): `window` requests in
