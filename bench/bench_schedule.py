@@ -31,7 +31,7 @@ the mean of a second, independent draw of the problem's samples (what the previo
 same problem gives), not this run's lengths.
 
 Schemes:
-- static (today): evaldag.request.plan.shard_count's rule and plan_shards' round-robin (prompt length is uncorrelated with
+- static (today): evaldag.request.sharding.shard_count's rule and plan_shards' round-robin (prompt length is uncorrelated with
   completion length, so problems land in shards at random); each shard's n samples of a problem stay together; one
   shard per slot; a slot ends with its shard. AIME24's 30 problems are fewer than MIN_PROBLEMS_PER_SHARD, so today's
   rule gives AIME one shard: one busy slot of eight.
@@ -92,11 +92,11 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
 
 try:        # today's rule, read from the code it describes; replicated where evaldag's imports are unavailable
-    from evaldag.request.plan import shard_count
+    from evaldag.request.sharding import shard_count
 except ImportError:   # pragma: no cover - the bench's own fallback
     def shard_count(n_problems: int, slots: int, requested: int | None = None, configured: int | None = None,
                     samples_per_problem: int = 1) -> int:
-        """evaldag.request.plan.shard_count's default branch (MIN_SEQUENCES_PER_SHARD = 32)."""
+        """evaldag.request.sharding.shard_count's default branch (MIN_SEQUENCES_PER_SHARD = 32)."""
         return min(requested or configured, n_problems) if requested or configured else max(
             1, min(slots, n_problems, n_problems * samples_per_problem // 32))
 

@@ -5,7 +5,7 @@
 What it simulates: one slot's continuous-batching engine as in bench/bench_schedule.py (at most `cap` sequences,
 each decode step advances every running one by a token and takes step_s + per_seq_s x c seconds), fed one shard's
 completions as evaldag.pipeline.shard_runs submits them: each sample a request of its own, each problem's samples dealt
-in SAMPLE_ROUNDS rounds (evaldag.request.plan.sample_pieces), each round in a seeded random order, so that the
+in SAMPLE_ROUNDS rounds (evaldag.request.sharding.sample_pieces), each round in a seeded random order, so that the
 finished ones are a fair sample of every problem early on (a scenario marked "before" submits each problem's n
 samples as one request, problem after problem, as evaldag did before: vLLM fans them out and reports them when
 the last ends). Every
@@ -55,7 +55,7 @@ from bench_schedule import (
 from scipy.special import ndtr, ndtri
 
 from evaldag.pipeline.time_left import BASE_FRACTION, DRAWS, StepModel, TimeLeft, drain_seconds
-from evaldag.request.plan import SAMPLE_ROUNDS, sample_pieces
+from evaldag.request.sharding import SAMPLE_ROUNDS, sample_pieces
 
 
 class Oracle:

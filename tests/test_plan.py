@@ -9,8 +9,8 @@ from evaldag.engines import DEFAULT_ENGINE_ENV, default_engine
 from evaldag.engines.dtype import DEFAULT_DTYPE_ENV
 from evaldag.errors import ConfigError
 from evaldag.request.checkpoint import resolve_model
-from evaldag.request.plan import (MIN_SEQUENCES_PER_SHARD, EvalRequest, compute_eval_key, plan_shards, plan_split_shards,
-                          resolve, shard_count)
+from evaldag.request.plan import EvalRequest, compute_eval_key, resolve
+from evaldag.request.sharding import MIN_SEQUENCES_PER_SHARD, plan_shards, plan_split_shards, shard_count
 
 
 def _inputs(n: int) -> pl.DataFrame:
@@ -111,7 +111,7 @@ def test_split_shards_hold_every_sample_once_and_a_share_of_every_problem():
 def test_sample_pieces_cut_each_run_into_near_equal_rounds_that_cover_it_once():
     """32 samples in 8 rounds of 4; a split shard's run of samples 4..7 in 4 rounds of 1; 10 samples in 5 rounds of
     2 (never more rounds than asked, never a piece of 0); with one round, piece k is problem k whole."""
-    from evaldag.request.plan import sample_pieces
+    from evaldag.request.sharding import sample_pieces
 
     runs = [(0, 32), (4, 4), (0, 10), (7, 1)]
     pieces = sample_pieces(runs, 8)

@@ -122,7 +122,7 @@ def test_the_evaluations_progress_text_sums_the_shards_and_is_never_read_as_a_sh
 
 def test_a_plan_with_several_samples_a_problem_counts_samples():
     """With n > 1 samples a problem (split over shards or not), a shard's count is of samples, which finish one
-    request of a few at a time (evaldag.request.plan.sample_pieces), and every text says so: the shard's, the
+    request of a few at a time (evaldag.request.sharding.sample_pieces), and every text says so: the shard's, the
     snapshot that sums them, `evaldag run`'s line. Artifacts of earlier versions, which counted "requests", still
     parse."""
     text = progress.describe("aime24", 1, ShardProgress(3, 120, 800, unit="samples"))
@@ -144,7 +144,8 @@ def test_the_plan_says_what_its_progress_counts():
     """Problems where each has one sample, else samples, over every shard: AIME24's 30 problems x 32 samples split
     over 8 shards are 960 samples; at n = 1, 30 problems."""
     from evaldag.request.config import SamplingConfig
-    from evaldag.request.plan import EvalPlan, plan_split_shards
+    from evaldag.request.plan import EvalPlan
+    from evaldag.request.sharding import plan_split_shards
 
     def plan(n, shards, runs):
         fields = {"sampling": SamplingConfig(n=n, temperature=1.0 if n > 1 else 0.0), "sample_runs": runs,

@@ -594,7 +594,7 @@ def test_split_samples_are_the_whole_requests_samples_each_once(streaming, monke
 def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_whole_requests_rows(streaming,
                                                                                                   monkeypatch):
     """vLLM, n = 16: every sample is a request of its own, and each problem's samples go in 8 rounds of 2
-    (evaldag.request.plan.sample_pieces): every problem's first two before any problem's next two, each round along
+    (evaldag.request.sharding.sample_pieces): every problem's first two before any problem's next two, each round along
     the decision order, so the finished ones are a fair sample of every problem early on, each heard as it ends. A
     shard that fails midway resumes with only the samples no chunk holds; its rows equal those of one request per
     problem (seeds per sample), and its progress counts samples."""
@@ -647,7 +647,7 @@ def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_wh
 
 def _piece_of(plan, key: int) -> tuple[int, int, int, int]:
     """The request `key` of a fresh dealt shard 0: (problem, first sample, samples, round)."""
-    from evaldag.request.plan import sample_pieces
+    from evaldag.request.sharding import sample_pieces
 
     ids = plan.shard_inputs(0)["sample_id"].to_list()
     return missing_requests(sample_pieces(plan.shard_runs(0)), ids, set(), one_per_sample=True)[key]

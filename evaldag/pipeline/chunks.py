@@ -18,7 +18,7 @@ def tokens_of(path: UPath) -> int:
 def missing_requests(pieces: list[tuple[int, int, int, int]], sample_ids: list[str], written: set[tuple[str, int]],
                       one_per_sample: bool) -> list[tuple[int, int, int, int]]:
     """The requests (problem, first sample index, samples, round) that generate the samples of `pieces`
-    (evaldag.request.plan.sample_pieces) not in `written`: one per sample where `one_per_sample`, else one per
+    (evaldag.request.sharding.sample_pieces) not in `written`: one per sample where `one_per_sample`, else one per
     stretch of consecutive missing samples. Per sample, not per piece: chunks written by an attempt that cut the
     samples otherwise (a dealt evaluation, then one that may stop early, on the same generation key) hold parts
     of pieces."""

@@ -21,7 +21,8 @@ from evaldag.pipeline import faults
 from evaldag.pipeline.chunks import missing_requests, tokens_of, written_samples
 from evaldag.pipeline.progress import ShardProgress
 from evaldag.pipeline.time_left import BASE_FRACTION, TimeLeft
-from evaldag.request.plan import SAMPLE_ROUNDS, EvalPlan, sample_pieces, splits_samples
+from evaldag.request.plan import EvalPlan
+from evaldag.request.sharding import SAMPLE_ROUNDS, sample_pieces, splits_samples
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
 
 log = logging.getLogger("evaldag")
@@ -246,7 +247,7 @@ class PerRequest(ShardRun):
     sample id, sample index) whatever request, batch or chunk it falls in; finished requests are written in chunks
     (chunk_policy), and progress counts finished samples and the tokens of running ones. Where the engine seeds
     each sample alone and the evaluation does not stop early, every sample is a request of its own, dealt round by
-    round over the shard's problems (evaldag.request.plan.sample_pieces); otherwise a problem's samples are one
+    round over the shard's problems (evaldag.request.sharding.sample_pieces); otherwise a problem's samples are one
     request. A resumed shard generates only the samples no chunk holds."""
 
     def __init__(self, *args) -> None:
@@ -345,7 +346,7 @@ class PerRequest(ShardRun):
 
         seed = self.plan.sampling.seed
         # a run of samples first..first+count-1 is one request of n = count seeded `seed + first`: vLLM seeds its
-        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.request.plan.splits_samples)
+        # k-th sample `seed + k`, so the run's samples equal those of the whole request (evaldag.request.sharding.splits_samples)
         requests = [Request(k, self.prompts[i], request_seed(seed, self.records[i]["sample_id"]) + first, n=count)
                     for k in self.todo for i, first, count, _ in [self.pieces[k]]]
         # Submitted round by round (every problem's first piece, then every second...), each round in a seeded random

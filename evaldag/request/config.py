@@ -79,7 +79,7 @@ class BenchmarkConfig(_Strict):
     sampling: SamplingConfig = SamplingConfig()
     num_shards: int | None = Field(None, ge=1, le=4096,
                                    description="shard flow runs when the request names none; default (null): as "
-                                               "many as the gpu slots can run at once (evaldag.request.plan.shard_count)")
+                                               "many as the gpu slots can run at once (evaldag.request.sharding.shard_count)")
     grading_timeout_s: float = Field(10.0, gt=0, description="hard per-item grading time limit")
     strip_thinking: bool = Field(False, description="drop <think>...</think> before extracting the answer")
     rewards: list[RewardSpec] = Field(default_factory=lambda: [RewardSpec(name="correctness")],

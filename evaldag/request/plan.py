@@ -22,7 +22,7 @@ from upath import UPath
 from evaldag import __version__
 from evaldag.storage import store
 from evaldag.request.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
-from evaldag.request.datasets import load_benchmark_rows
+from evaldag.request.datasets import LoadedBenchmark, load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.request.gpus import shard_gpus
 from evaldag.scoring.eval_loss import EVAL_LOSS_VERSION
@@ -30,6 +30,7 @@ from evaldag.scoring.grading import GRADER_VERSION
 from evaldag.request.keys import result_engine_args
 from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine
 from evaldag.request import adaptive_rules
+from evaldag.request.sharding import plan_shards, plan_split_shards, shard_count, splits_samples
 from evaldag.request.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
 from evaldag.storage.schema import INPUT_SCHEMA, read_table, write_table
 from evaldag.decisions.adaptive import AdaptiveSettings
@@ -239,104 +240,6 @@ def compute_eval_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-# A shard pays a fixed cost before its first token (process start, imports, engine init; docs/performance.md), so a
-# shard smaller than this costs more than it saves.
-MIN_SEQUENCES_PER_SHARD = 32
-
-
-def shard_count(n_problems: int, slots: int, requested: int | None = None, configured: int | None = None,
-                samples_per_problem: int = 1, split_samples: bool = False) -> int:
-    """How many shards an evaluation of `n_problems` (each sampled `samples_per_problem` times) gets.
-
-    An explicit count (the request's, else the benchmark config's) is honoured, capped by the problems (by the
-    sequences with `split_samples`). Otherwise:
-    no more shards than `slots` (gpu slots that can run shards at once: more shards would only queue behind each
-    other, each paying its own start-up) or problems, and none with fewer than MIN_SEQUENCES_PER_SHARD sequences
-    (problems x samples: a 4-problem greedy slice is one shard, while AIME24's 30 problems x 32 samples spread over 8
-    slots instead of queueing on one). With `split_samples` (plan_split_shards) a shard need not hold a whole
-    problem, so the problems do not cap the count. Resume stays sample-level whatever the count.
-    """
-    if n_problems < 1:
-        raise ConfigError("no problems to evaluate")
-    if slots < 1:
-        raise ConfigError(f"slots must be >= 1, got {slots}")
-    sequences = n_problems * max(1, samples_per_problem)
-    units = sequences if split_samples else n_problems      # the most shards that each hold something
-    if requested or configured:
-        return min(requested or configured, units)
-    return max(1, min(slots, units, sequences // MIN_SEQUENCES_PER_SHARD))
-
-
-def _ranked_ids(inputs: pl.DataFrame) -> list[str]:
-    """Sample ids longest prompt first (ties in input order): a fixed order to deal from."""
-    return (inputs.with_row_index("_pos")
-            .with_columns(_len=pl.col("prompt").str.len_chars())
-            .sort(["_len", "_pos"], descending=[True, False]))["sample_id"].to_list()
-
-
-def plan_shards(inputs: pl.DataFrame, num_shards: int) -> list[list[str]]:
-    """Deterministic shards balanced by prompt length: longest first, dealt round-robin."""
-    shards: list[list[str]] = [[] for _ in range(num_shards)]
-    for i, sid in enumerate(_ranked_ids(inputs)):
-        shards[i % num_shards].append(sid)
-    return [s for s in shards if s]
-
-
-def splits_samples(engine: str, n: int) -> bool:
-    """Whether a plan splits problems' samples over its shards (when it has several): only with n > 1 samples and an
-    engine whose samples are seeded one by one, so that samples a..b generated alone equal samples a..b of the
-    whole request (vLLM seeds sample j of a request `seed + j`; the transformers engine samples a prompt's n rows
-    from one generator, and a served model is asked one batch at a time)."""
-    return engine == "vllm" and n > 1
-
-
-# A shard hands its problems' samples to the engine in up to this many rounds (sample_pieces): every problem's
-# first piece, then every problem's second, and so on. The finished samples are then a fair sample of all the
-# shard's problems from the first minutes on, which is what its forecast of the end reads
-# (evaldag.pipeline.time_left); whole problems one after another leave the problems not started yet unseen until
-# late, the forecast's largest error at scale (docs/performance.md). Each sample of a piece goes in as a request of
-# its own (so its length is heard as it ends, not when its siblings do), next to the piece's others (so the prompt's
-# cached prefill is reused).
-SAMPLE_ROUNDS = 8
-
-
-def sample_pieces(runs: list[tuple[int, int]], rounds: int = SAMPLE_ROUNDS) -> list[tuple[int, int, int, int]]:
-    """Cut each problem's run of samples (first sample index, count; EvalPlan.shard_runs) into at most `rounds`
-    near-equal pieces of consecutive samples: (problem's position in `runs`, first sample index, count, round),
-    problem by problem. Hand them to the engine round by round. Only for an engine that seeds each sample alone
-    (splits_samples), where samples a..b generated as one request equal those samples of the whole request."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    pieces = []
-    for i, (first, count) in enumerate(runs):
-        size = max(1, -(-count // rounds))
-        pieces.extend((i, lo, min(size, first + count - lo), r)
-                      for r, lo in enumerate(range(first, first + count, size)))
-    return pieces
-
-
-def plan_split_shards(inputs: pl.DataFrame, num_shards: int,
-                      n: int) -> tuple[list[list[str]], list[list[tuple[int, int]]]]:
-    """Shards that share every problem: its n samples cut into min(n, num_shards) near-equal runs, run j of the i-th
-    problem (longest prompt first) to shard (i + j) mod num_shards, so each shard holds about n / num_shards samples
-    of every problem. A hard problem's long samples then land on every shard instead of one, which is what leaves
-    whole-problem shards unbalanced at scale (bench/bench_schedule.py: AIME24 x 32 on 8 slots, 1.32x the lower
-    bound against 1.64x). Returns the sample ids per shard and, beside each, its run (first sample index, count)."""
-    runs_per_problem = min(n, num_shards)
-    size, extra = divmod(n, runs_per_problem)
-    shards: list[list[str]] = [[] for _ in range(num_shards)]
-    runs: list[list[tuple[int, int]]] = [[] for _ in range(num_shards)]
-    for i, sid in enumerate(_ranked_ids(inputs)):
-        first = 0
-        for j in range(runs_per_problem):
-            count = size + (j < extra)
-            shards[(i + j) % num_shards].append(sid)
-            runs[(i + j) % num_shards].append((first, count))
-            first += count
-    kept = [s for s in range(num_shards) if shards[s]]
-    return [shards[s] for s in kept], [runs[s] for s in kept]
-
-
 def resolve(request: EvalRequest, results_root: str | PathLike | None = None, num_gpus: int = 1) -> EvalPlan:
     """Run the resolve stage: load config, model and data; write plan.json and inputs.parquet; return the plan.
 
@@ -363,39 +266,10 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
                     else (plan_shards(data.inputs, num_shards), None))
     pass_k = _pass_k(request.pass_k, bench.pass_k, sampling.n)
     reference = resolve_model(request.reference) if request.reference else None
-    if reference and "openai" in (model.engine, reference.engine):
-        raise ConfigError("KL to a reference model needs log-probabilities of given completions, which engine "
-                          "'openai' (a server's API) cannot give; evaluate with a reference on local weights with "
-                          "engine=hf")
-    if reference and request.decide:
-        raise ConfigError("decide (stopping early) and a reference model (KL) cannot be combined: the KL estimate "
-                          "scores every completion of the evaluation; drop `reference` or `decide`")
+    _check_reference(reference, model, request)
     eval_loss = _eval_loss(request, bench, model)
-    split_key = {} if runs is None else {"sample_runs": runs}   # absent when not split: older keys stay valid
-    if request.decide is not None and model.engine != "vllm":
-        # a static-batch engine cuts its batches along the decision order (evaldag.pipeline.shard_runs), which changes
-        # what each batch generates; vLLM seeds and schedules per request, whatever the order
-        split_key["batches"] = "decision-order"
-    generation_key = compute_eval_key({
-        **split_key,
-        "pipeline": PIPELINE_VERSION,
-        "instruction": bench.instruction,
-        "dataset_hash": data.dataset_hash,
-        "sample_ids": data.inputs["sample_id"].to_list(),
-        "model_fingerprint": model.fingerprint,
-        # engine_args that only size memory or scheduling are left out (evaldag.request.keys.NOT_RESULT_SETTINGS)
-        "engine": [model.engine, model.dtype, model.batch_size, result_engine_args(model.engine_args)],
-        "sampling": sampling.model_dump(),
-        "shards": shards,   # batch composition changes greedy outputs slightly, so it is part of the identity
-    })
-    grade_key = compute_eval_key({
-        "generation": generation_key, "grader": GRADER_VERSION, "gold_format": bench.gold_format,
-        "strip_thinking": bench.strip_thinking,
-        "timeout_s": bench.grading_timeout_s,   # a longer limit can turn timeouts into grades
-        # the normalised golds themselves: grading reads them from this plan's inputs, so a gold-normalisation fix
-        # regrades even where nobody bumped GRADER_VERSION
-        "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),
-    })
+    generation_key = _generation_key(request, bench, data, model, sampling, shards, runs)
+    grade_key = _grade_key(generation_key, bench, data)
     train_run = request.train_run or _default_train_run(request.checkpoint, model)
     decided = resolved_decide(request.decide, request.decide_alpha, request.decide_margin, request.decide_rounds)
     decide = {} if decided is None else {"decide": list(decided)}
@@ -422,6 +296,52 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     path = store.write_text(plan.path("plan.json"), plan.model_dump_json(indent=2))
     _remember((str(path), _identity(path)), plan)
     return plan
+
+
+def _check_reference(reference: ResolvedModel | None, model: ResolvedModel, request: EvalRequest) -> None:
+    """Refuse a reference model (KL) where it cannot be had: on a served model, or with stopping early."""
+    if reference and "openai" in (model.engine, reference.engine):
+        raise ConfigError("KL to a reference model needs log-probabilities of given completions, which engine "
+                          "'openai' (a server's API) cannot give; evaluate with a reference on local weights with "
+                          "engine=hf")
+    if reference and request.decide:
+        raise ConfigError("decide (stopping early) and a reference model (KL) cannot be combined: the KL estimate "
+                          "scores every completion of the evaluation; drop `reference` or `decide`")
+
+
+def _generation_key(request: EvalRequest, bench: BenchmarkConfig, data: LoadedBenchmark, model: ResolvedModel,
+                    sampling: SamplingConfig, shards: list[list[str]], runs: list | None) -> str:
+    """The key of everything that decides the generated rows."""
+    split_key = {} if runs is None else {"sample_runs": runs}   # absent when not split: older keys stay valid
+    if request.decide is not None and model.engine != "vllm":
+        # a static-batch engine cuts its batches along the decision order (evaldag.pipeline.shard_runs), which changes
+        # what each batch generates; vLLM seeds and schedules per request, whatever the order
+        split_key["batches"] = "decision-order"
+    generation_key = compute_eval_key({
+        **split_key,
+        "pipeline": PIPELINE_VERSION,
+        "instruction": bench.instruction,
+        "dataset_hash": data.dataset_hash,
+        "sample_ids": data.inputs["sample_id"].to_list(),
+        "model_fingerprint": model.fingerprint,
+        # engine_args that only size memory or scheduling are left out (evaldag.request.keys.NOT_RESULT_SETTINGS)
+        "engine": [model.engine, model.dtype, model.batch_size, result_engine_args(model.engine_args)],
+        "sampling": sampling.model_dump(),
+        "shards": shards,   # batch composition changes greedy outputs slightly, so it is part of the identity
+    })
+    return generation_key
+
+
+def _grade_key(generation_key: str, bench: BenchmarkConfig, data: LoadedBenchmark) -> str:
+    """The key of everything that decides the grades of those rows."""
+    return compute_eval_key({
+        "generation": generation_key, "grader": GRADER_VERSION, "gold_format": bench.gold_format,
+        "strip_thinking": bench.strip_thinking,
+        "timeout_s": bench.grading_timeout_s,   # a longer limit can turn timeouts into grades
+        # the normalised golds themselves: grading reads them from this plan's inputs, so a gold-normalisation fix
+        # regrades even where nobody bumped GRADER_VERSION
+        "golds": compute_eval_key(data.inputs.select("sample_id", "gold").rows()),
+    })
 
 
 def _eval_loss(request: EvalRequest, bench: BenchmarkConfig, model: ResolvedModel) -> bool:

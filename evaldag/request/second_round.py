@@ -6,7 +6,7 @@ An adaptive evaluation (the request's `adaptive`, evaldag.decisions.adaptive) ru
 2. Once that round is graded, the parent flow calls `resolve_second_round`: the adaptive design gives each problem
    its further samples n0 .. n0 + more - 1 (only the floor where the first round was all right or all wrong), and
    they become a plan of their own, in a folder inside the evaluation's, whose shards hold runs (first sample index,
-   count) of problems as split shards do (evaldag.request.plan.plan_split_shards).
+   count) of problems as split shards do (evaldag.request.sharding.plan_split_shards).
 
 vLLM seeds sample j of a problem `seed + j`, so the second round draws exactly the samples a fixed-n evaluation
 would draw at those indices; that is also why only vLLM can run it. The second round's plan depends on the first
@@ -20,7 +20,8 @@ import polars as pl
 from upath import UPath
 
 from evaldag.decisions.adaptive import AdaptiveSettings, counts_from_samples, next_round
-from evaldag.request.plan import MIN_SEQUENCES_PER_SHARD, EvalPlan, _ranked_ids, compute_eval_key, load_plan
+from evaldag.request.plan import EvalPlan, compute_eval_key, load_plan
+from evaldag.request.sharding import MIN_SEQUENCES_PER_SHARD, ranked_ids
 from evaldag.storage import store
 from evaldag.storage.schema import INPUT_SCHEMA, write_table
 
@@ -79,7 +80,7 @@ def resolve_second_round(plan: EvalPlan, first_round: pl.DataFrame) -> EvalPlan 
         # a plan an earlier attempt made from other first-round rows (regenerated since) must not be reduced with
         second_round_path(plan).unlink(missing_ok=True)
         return None
-    ordered = [(sid, more[sid]) for sid in _ranked_ids(plan.inputs()) if more.get(sid, 0) > 0]
+    ordered = [(sid, more[sid]) for sid in ranked_ids(plan.inputs()) if more.get(sid, 0) > 0]
     num_shards = max(1, min(plan.num_shards, total // MIN_SEQUENCES_PER_SHARD))
     shards, runs = plan_runs(ordered, num_shards, n0)
     generation_key = compute_eval_key({"second_round_of": plan.generation_key, "shards": shards, "sample_runs": runs})

@@ -45,7 +45,7 @@ def _assert_shards_left_nothing(stack, parent_id) -> None:
 
 def test_eval_flow_on_the_vllm_engine(live_stack):
     """Sampled (n = 4) on two shards: vLLM seeds each sample alone, so the plan splits every problem's samples over
-    both shards (evaldag.request.plan.plan_split_shards); each shard holds 2 samples of each of the 4 problems, and the
+    both shards (evaldag.request.sharding.plan_split_shards); each shard holds 2 samples of each of the 4 problems, and the
     evaluation ends with every (problem, sample) once."""
     fr = run_deployment("eval/gsm8k", timeout=900, poll_interval=1, parameters={
         "limit": 4, "num_shards": 2, "step": 5, "train_run": "vllm-e2e", "engine": "vllm",

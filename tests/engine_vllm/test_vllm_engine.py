@@ -283,7 +283,7 @@ def test_running_reports_count_only_started_sequences_and_say_how_many_wait(engi
 
 def test_a_run_of_samples_alone_equals_those_samples_of_the_whole_request(engine):
     """What plans that split a problem's samples over shards, and shards that make each sample a request of its own,
-    rest on (evaldag.request.plan.splits_samples): samples a..a+c-1 of a request of n samples seeded s are a request
+    rest on (evaldag.request.sharding.splits_samples): samples a..a+c-1 of a request of n samples seeded s are a request
     of n = c seeded s + a, whatever else runs beside it. Token for token on some CPUs; on others (measured on an
     AMD EPYC) another batch composition changes the float sums, and a sample can leave the whole request's from a
     late token on (14 of 16 tokens kept), while a sample of another index shares 0-9 tokens with it."""
