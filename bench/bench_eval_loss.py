@@ -3,7 +3,8 @@
 Loads the default model once on the engine asked for (default: the deployment's default engine), sized for both the
 generation and the scoring, then times the generation of the first `--problems` problems with the benchmark's own
 sampling, and the scoring of their reference solutions (evaldag.scoring.eval_loss), in the same process. Prints both
-times, the cost of scoring as a share of generation + scoring, and the eval_loss. Usage:
+times (wall and this process's CPU seconds), the cost of scoring as a share of generation + scoring, and the
+eval_loss. Usage:
   .venv/bin/python bench/bench_eval_loss.py [--benchmark math500] [--problems 20] [--engine vllm|hf]
 """
 
@@ -56,18 +57,23 @@ def main() -> None:
     print(f"{args.benchmark}, {len(prompts)} problems, {model.engine} ({model.dtype}), load {load_s:.1f} s",
           flush=True)
     # scoring first: its figure comes out even when a slow generation is cut short
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     logprobs = score_solutions(engine, prompts, solutions)
-    score_s = time.perf_counter() - t2
+    score_s, score_cpu = time.perf_counter() - t2, time.process_time() - c2
     metrics = eval_loss_metrics(per_problem_losses(ids, logprobs))
-    print(f"eval_loss scoring: {score_s:.2f} s ({int(metrics['eval_loss_tokens'])} solution tokens)", flush=True)
-    t1 = time.perf_counter()
+    print(f"eval_loss scoring: {score_s:.2f} s wall, {score_cpu:.2f} s CPU "
+          f"({int(metrics['eval_loss_tokens'])} solution tokens)", flush=True)
+    t1, c1 = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, bench.sampling)
-    gen_s = time.perf_counter() - t1
+    gen_s, gen_cpu = time.perf_counter() - t1, time.process_time() - c1
     tokens = sum(c[0].completion_tokens for c in out)
-    print(f"generation: {gen_s:.2f} s ({tokens} tokens, max_new_tokens {bench.sampling.max_new_tokens})")
-    print(f"cost: {100 * score_s / (gen_s + score_s):.1f} % of generation + scoring "
-          f"({100 * score_s / gen_s:.1f} % of generation alone)")
+    print(f"generation: {gen_s:.2f} s wall, {gen_cpu:.2f} s CPU ({tokens} tokens, max_new_tokens "
+          f"{bench.sampling.max_new_tokens})")
+    # CPU seconds of this process (its threads, vLLM's in-process engine included) as well as wall seconds: on a
+    # shared machine the wall figures move with the other load, the CPU ones much less
+    for what, s, g in (("wall", score_s, gen_s), ("CPU", score_cpu, gen_cpu)):
+        print(f"cost ({what}): {100 * s / (g + s):.1f} % of generation + scoring "
+              f"({100 * s / g:.1f} % of generation alone)")
     print(f"eval_loss {metrics['eval_loss']:.4f} (se {metrics.get('eval_loss_se', float('nan')):.4f}), "
           f"token-weighted {metrics['eval_loss/token_weighted']:.4f}")
     engine.close()

@@ -118,3 +118,84 @@ def test_jump_edge_cases():
         eval_loss_jump(_table({1: same}))
     with pytest.raises(ValueError, match="more than once"):
         eval_loss_jump(pl.concat([_table({1: same, 2: same}), _table({2: same})]))
+
+
+@pytest.mark.model
+def test_loss_of_a_reference_solution_is_the_forward_pass_nll_on_the_default_model():
+    """score_solutions on the transformers engine (batched, right-padded) gives, per problem, the mean nll per token
+    of the solution after the chat-templated prompt, as one forward pass over that sequence alone computes it."""
+    import json
+
+    import torch
+
+    from evaldag import paths
+    from evaldag.engines import load_engine
+    from evaldag.request.checkpoint import resolve_model
+
+    rows = [json.loads(line) for line in
+            (paths.data_dir() / "math500" / "test.jsonl").read_text().splitlines()[:3]]
+    prompts = [f"{r['problem']}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+               for r in rows]
+    solutions = [r["solution"] for r in rows]
+    engine = load_engine("hf", resolve_model("smollm2-135m-instruct").path, "float32", batch_size=2)
+    try:
+        losses = per_problem_losses([r["unique_id"] for r in rows], score_solutions(engine, prompts, solutions))
+        tok, model = engine.tokenizer, engine.model
+        for k, (prompt, solution) in enumerate(zip(prompts, solutions)):
+            p_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+            s_ids = tok(solution, add_special_tokens=False)["input_ids"]
+            with torch.inference_mode():
+                logits = model(input_ids=torch.tensor([list(p_ids) + s_ids])).logits[0].float()
+            logp = torch.log_softmax(logits[len(p_ids) - 1:-1], -1).gather(1, torch.tensor(s_ids)[:, None])
+            assert losses["eval_loss_tokens"][k] == len(s_ids)
+            assert losses["eval_loss_nll"][k] / len(s_ids) == pytest.approx(-logp.mean().item(), rel=1e-4)
+    finally:
+        engine.close()
+
+
+# ---- at track time: this evaluation against the job's previous checkpoint (evaldag.tracking.history) -------------
+
+class _ArtifactClient:
+    """What eval_loss_diagnostics asks of an MlflowClient: another run's samples/samples.parquet."""
+
+    def __init__(self, tables: dict[str, pl.DataFrame]):
+        self.tables = tables
+
+    def download_artifacts(self, run_id, path, dst):
+        out = f"{dst}/samples.parquet"
+        self.tables[run_id].write_parquet(out)
+        return out
+
+
+def _samples(losses: np.ndarray | None, n: int = 2) -> pl.DataFrame:
+    """A samples.parquet table: n rows per problem, each with its problem's eval_loss (when given)."""
+    ids = [f"p{i}" for i in range(40) for _ in range(n)]
+    df = pl.DataFrame({"sample_id": ids, "correct": [True] * len(ids)})
+    return df if losses is None else df.with_columns(eval_loss=pl.Series(np.repeat(losses, n)))
+
+
+def test_track_time_diagnostic_pairs_this_run_with_the_previous_checkpoint(tmp_path, monkeypatch):
+    from evaldag.decisions import verdicts
+    from evaldag.tracking.history import eval_loss_diagnostics
+
+    rng = np.random.default_rng(3)
+    hard = rng.normal(1.0, 0.4, size=40)
+    before = hard + rng.normal(0, 0.02, 40)
+    monkeypatch.setattr(verdicts, "earlier_evaluations", lambda *a, **k: [{"run_id": "old", "step": 50},
+                                                                           {"run_id": "prev", "step": 100}])
+    mine = tmp_path / "samples.parquet"
+
+    def diagnose(now: np.ndarray | None, previous: pl.DataFrame):
+        (_samples(now)).write_parquet(mine)
+        return eval_loss_diagnostics(_ArtifactClient({"prev": previous}), "1", "job", "key", 200, mine)
+
+    [jump] = diagnose(before + 0.05, _samples(before))
+    assert jump.name == "eval_loss_jump" and jump.fired and "step 100 -> 200" in jump.explanation
+    assert jump.details["jumps"][0]["m"] == 40
+    assert jump.details["jumps"][0]["delta"] == pytest.approx(0.05)
+    [calm] = diagnose(before + rng.normal(0, 0.02, 40), _samples(before))
+    assert not calm.fired
+    [untested] = diagnose(before, _samples(None))
+    assert not untested.fired and "step 100" in untested.explanation and "no eval_loss" in untested.explanation
+    assert diagnose(None, _samples(before)) == []          # this evaluation has no eval_loss: nothing to say

@@ -33,7 +33,8 @@ def evaluated_checkpoints(benchmark: str, decided_counts: bool = True) -> set[tu
 
 
 _HISTORY_SCHEMA = {"step": pl.Int64, "accuracy": pl.Float64, "reward_mean": pl.Float64, "reward_std": pl.Float64,
-                   "n_samples": pl.Float64, "accuracy_se": pl.Float64, "reward_se": pl.Float64}
+                   "n_samples": pl.Float64, "accuracy_se": pl.Float64, "reward_se": pl.Float64,
+                   "eval_loss": pl.Float64}
 
 
 def _history_rows(runs) -> dict[str, list[dict]]:
@@ -58,7 +59,8 @@ def history_row(step: int, m: dict) -> dict:
     n, accuracy, std = m.get("n_samples", 1.0), m.get("accuracy"), m.get("reward/std", float("nan"))
     binomial = math.sqrt(accuracy * (1 - accuracy) / n) if accuracy is not None else float("nan")
     return {"step": step, "accuracy": accuracy, "reward_mean": m["reward/mean"], "reward_std": std, "n_samples": n,
-            "accuracy_se": m.get("accuracy_se", binomial), "reward_se": m.get("reward/se", std / math.sqrt(n))}
+            "accuracy_se": m.get("accuracy_se", binomial), "reward_se": m.get("reward/se", std / math.sqrt(n)),
+            "eval_loss": m.get("eval_loss")}
 
 
 def job_history(client, experiment_id: str, train_run: str, comparison: str | None = None) -> pl.DataFrame:
@@ -105,8 +107,61 @@ def history_diagnostics(history: pl.DataFrame, compared: str | None = None) -> l
     return out
 
 
+def _problem_losses(samples: pl.DataFrame) -> pl.DataFrame | None:
+    """One row per problem (sample_id, loss) from a samples.parquet table, None when it has no eval_loss."""
+    if "eval_loss" not in samples.columns or samples["eval_loss"].null_count() == samples.height:
+        return None
+    return samples.group_by("sample_id").agg(loss=pl.col("eval_loss").first())
+
+
+def _run_losses(client, run_id: str) -> pl.DataFrame | None:
+    """_problem_losses of another run's samples/samples.parquet artifact."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = client.download_artifacts(run_id, "samples/samples.parquet", tmp)
+        names = pl.read_parquet_schema(local)
+        return _problem_losses(pl.read_parquet(local, columns=[c for c in ("sample_id", "eval_loss") if c in names]))
+
+
+def eval_loss_diagnostics(client, experiment_id: str, train_run: str, comparison: str, step: int,
+                          samples: Path) -> list[Diagnostic]:
+    """evaldag.scoring.diagnostics.eval_loss_jump between this evaluation (its samples.parquet, with each problem's
+    eval_loss) and the job's previous checkpoint evaluated alike (the latest earlier step, its samples from MLflow);
+    nothing when this evaluation has no eval_loss. It tests the jump into this checkpoint only: each run's tag says
+    whether its own arrival jumped, at the cost of one download instead of one per checkpoint of the job.
+
+    Best effort: the earlier run's artifact may be unreadable; the diagnostic then says so, unfired."""
+    from evaldag.decisions.verdicts import earlier_evaluations
+    from evaldag.scoring.diagnostics import eval_loss_jump
+
+    name = "eval_loss_jump"
+    mine = _problem_losses(pl.read_parquet(samples, columns=[c for c in ("sample_id", "eval_loss")
+                                                              if c in pl.read_parquet_schema(samples)]))
+    if mine is None:
+        return []
+    earlier = earlier_evaluations(client, experiment_id, train_run, comparison, step)
+    if not earlier:
+        return [Diagnostic(name, False, "Needs an earlier checkpoint of this training job evaluated alike; none so "
+                           "far.", "None.", {"n_checkpoints": 1})]
+    prev = earlier[-1]
+    try:
+        theirs = _run_losses(client, prev["run_id"])
+    except Exception as e:  # noqa: BLE001 - a diagnostic of the job, not this evaluation's result
+        theirs, why = None, f"its samples could not be read ({type(e).__name__}: {e})"
+    else:
+        why = "it has no eval_loss"
+    if theirs is None:
+        return [Diagnostic(name, False, f"Not tested: the previous checkpoint (step {prev['step']}) {why}.", "None.",
+                           {"step_from": prev["step"]})]
+    table = pl.concat([theirs.with_columns(step=pl.lit(prev["step"], pl.Int64)),
+                       mine.with_columns(step=pl.lit(step, pl.Int64))]).select("step", "sample_id", "loss")
+    return [eval_loss_jump(table)]
+
+
 def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
-    """PNG of accuracy and mean reward against step for one training job."""
+    """PNG of accuracy and mean reward against step for one training job, and its eval_loss on a right-hand axis
+    where checkpoints have one (nats per token: another scale than the rates)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,11 +173,20 @@ def plot_history(history: pl.DataFrame, title: str, out: Path) -> Path:
     ax.set_xlabel("training step")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles, labels = ax.get_legend_handles_labels()
+    losses = history.filter(pl.col("eval_loss").is_not_null()) if "eval_loss" in history.columns else history.clear()
+    if losses.height:
+        right = ax.twinx()
+        right.plot(losses["step"], losses["eval_loss"], "^:", color="tab:red", label="eval_loss")
+        right.set_ylabel("eval_loss (nats/token)")
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
 
 
-__all__ = ["comparable_histories", "evaluated_checkpoints", "history_diagnostics", "job_history", "plot_history"]
+__all__ = ["comparable_histories", "eval_loss_diagnostics", "evaluated_checkpoints", "history_diagnostics",
+           "job_history", "plot_history"]

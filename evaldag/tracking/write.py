@@ -29,8 +29,8 @@ from evaldag.tracking.run_claims import (TrackingBusy, claim_run, current_writer
                                 still_writer, take_writer)
 from evaldag.decisions.series import comparison_key, describe, series_label
 from evaldag.tracking import client as tracking_client
-from evaldag.tracking.history import (comparable_histories, history_diagnostics, history_row, job_history,
-                                      plot_history)
+from evaldag.tracking.history import (comparable_histories, eval_loss_diagnostics, history_diagnostics, history_row,
+                                      job_history, plot_history)
 from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, EXPERIMENT_KIND_TAG, FINAL_STEP_TAG, FORECAST_TAG,
                                     JOBS_EXPERIMENT, SETTINGS_TAG, TRAINING_KIND, UNDECIDED_SETTINGS_TAG,
                                     experiment_name, mlflow_key, run_url)
@@ -39,7 +39,7 @@ from evaldag.events.identity import plan_settings_key
 log = logging.getLogger("evaldag")
 
 # The headline metrics of an evaluation that its training job's parent run gets, one curve per kind of evaluation.
-HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens")
+HEADLINE = ("accuracy", "pass@1", "reward/mean", "truncation_rate", "mean_completion_tokens", "eval_loss")
 
 
 @dataclass(frozen=True)
@@ -327,6 +327,8 @@ def _log_diagnostics(w: _Writing, exp_id: str, plan: EvalPlan,
     history = job_history(w.client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != w.step)
     history = pl.concat([history, current.cast(history.schema)]).sort("step")
     diags += history_diagnostics(history, describe(plan))
+    with store.local_copy(plan.path("samples.parquet")) as local:      # the loss's jump from the previous checkpoint
+        diags += eval_loss_diagnostics(w.client, exp_id, plan.train_run, comparison_key(plan), w.step, local)
     diags += _falling_behind(w, exp_id, plan, history)
     from evaldag.scoring.diagnostics import to_markdown, to_tags
 
