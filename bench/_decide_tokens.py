@@ -69,7 +69,7 @@ class Slot:
 
     def top_up(self, now: float, length: np.ndarray, heap: list, slot: int, starts: dict) -> None:
         while (not self.withdrawn and self.next < len(self.units) and len(self.left) < self.window
-               and (not self.left or self.gate is None or not self.gate.hold(self.next, len(self.left)))):
+               and (not self.left or self.gate is None or not self.gate.hold(self.next))):
             k = self.next
             self.left[k], self.pending[k] = len(self.units[k]), []
             for rank, j in self.units[k]:

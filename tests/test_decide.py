@@ -426,20 +426,18 @@ def test_the_confidence_sequence_over_ranges_contains_every_exact_one_and_equals
 
 def test_the_round_gate_holds_work_past_the_next_round_until_the_open_one_is_nearly_done():
     """Requests of rounds 0, 1, 2 (4 each): round 2 waits while round 0 has over 5 % of its requests unfinished,
-    not once it is done; past the gated half of the rounds nothing waits; lifted, nothing waits; below the floor
-    of requests in flight, nothing waits."""
+    not once it is done; past the gated half of the rounds nothing waits; lifted, nothing waits."""
     gate = decide.RoundGate([0] * 4 + [1] * 4 + [2] * 4, rounds=6)
-    assert not gate.hold(4, 8) and gate.hold(8, 8)
+    assert not gate.hold(4) and gate.hold(8)
     for k in range(3):
         gate.finished(k)
-    assert gate.hold(8, 8)                    # 1 of 4 left: 25 % > 5 %
+    assert gate.hold(8)                    # 1 of 4 left: 25 % > 5 %
     gate.finished(3)
-    assert not gate.hold(8, 8)
+    assert not gate.hold(8)
     late = decide.RoundGate([0] * 4 + [5] * 4, rounds=6)    # round 5 is past the gated half (rounds 0-2)
-    assert late.hold(4, 4)                    # the open round 0 is gated: everything past round 1 waits
-    assert not decide.RoundGate([0] * 4 + [2] * 4, rounds=6, floor=8).hold(4, 4)
+    assert late.hold(4)                    # the open round 0 is gated: everything past round 1 waits
     late.lift()
-    assert not late.hold(4, 4)
+    assert not late.hold(4)
 
 
 def test_the_gate_is_dropped_only_when_no_verdict_is_in_sight():

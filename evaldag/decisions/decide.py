@@ -93,8 +93,8 @@ class RoundGate:
     problem's place in the decision order) of the k-th request in submission order."""
 
     def __init__(self, rounds_of: list[int], rounds: int, tolerance: float = GATE_TOLERANCE,
-                 lookahead: int = GATE_LOOKAHEAD, gated_share: float = GATED_SHARE, floor: int = 0) -> None:
-        self.rounds_of, self.floor = rounds_of, floor
+                 lookahead: int = GATE_LOOKAHEAD, gated_share: float = GATED_SHARE) -> None:
+        self.rounds_of = rounds_of
         self.gated = math.ceil(rounds * gated_share)
         self.tolerance, self.lookahead = tolerance, lookahead
         self.open: dict[int, int] = {}
@@ -106,12 +106,10 @@ class RoundGate:
         """The first round more than `tolerance` of whose requests are unfinished (a large number when none)."""
         return min((q for q, c in self.open.items() if c > self.tolerance * self.size[q]), default=1 << 30)
 
-    def hold(self, k: int, in_flight: int = 0) -> bool:
-        """Whether request k must wait for now, with `in_flight` requests in the engine: never while fewer than
-        `floor` are (a step's cost hardly grows with a few more sequences, so an engine left with a round's last
-        long answers takes more work instead of idling)."""
+    def hold(self, k: int) -> bool:
+        """Whether request k must wait for now."""
         first = self.first_open()
-        return in_flight >= self.floor and first < self.gated and self.rounds_of[k] > first + self.lookahead
+        return first < self.gated and self.rounds_of[k] > first + self.lookahead
 
     def finished(self, k: int) -> None:
         self.open[self.rounds_of[k]] -= 1

@@ -176,9 +176,8 @@ class VLLMEngine(EngineBase):
         starts it empty.
 
         Pacing, for an evaluation that may stop early (evaldag.decisions.decide): `max_in_flight`, at most this many
-        requests in the engine at once, the next added as one finishes; `hold(k, in_flight)`, whether the k-th
-        request (in order) must wait for now, with `in_flight` requests in the engine (asked before each step: the
-        answer may change as requests finish); `withdrawn()`, the keys of requests no longer wanted (asked before
+        requests in the engine at once, the next added as one finishes; `hold(k)`, whether the k-th request (in
+        order) must wait for now (asked before each step: the answer may change as requests finish); `withdrawn()`, the keys of requests no longer wanted (asked before
         each step): aborted if running, never started otherwise, and never reported."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -213,7 +212,7 @@ class VLLMEngine(EngineBase):
                 queued.extend(kept)
             # a held request waits on others still running; with none running nothing could release it
             while queued and len(waiting) < window and (not waiting or hold is None
-                                                         or not hold(queued[0], len(waiting))):
+                                                         or not hold(queued[0])):
                 add(queued.popleft())
 
         try:

@@ -105,9 +105,10 @@ def test_a_shard_reports_progress_and_writes_rows_per_request(tmp_path, monkeypa
     monkeypatch.setenv("EVALDAG_CHUNK_REQUESTS", "2")
     # every event reported (not every 5 s): whether a report falls between two finishes must not depend on timing
     monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0)
-    monkeypatch.setattr(decide, "in_flight", lambda plan: 2)
+    # an evaluation that may stop early, with nothing to stop it (no parent writes a stop file): it runs to its end
+    monkeypatch.setenv(decide.IN_FLIGHT_ENV, "2")
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=6, num_shards=1, sampling={"max_new_tokens": 192},
-                               engine="vllm"), tmp_path / "results")
+                               engine="vllm", decide="vs_best", decide_rounds=1), tmp_path / "results")
     chunks = plan.generations_path(0).with_name(plan.generations_path(0).stem + ".chunks")
     heard = []                  # (seconds, problems done, total, tokens, chunk files on disk)
 
