@@ -82,12 +82,34 @@ def _rounds(plan: EvalPlan, graded: pl.DataFrame, expected: list[str]) -> tuple[
     return first, graded
 
 
+def _kl_figures(plan: EvalPlan) -> dict:
+    """The KL figures of an evaluation with a reference model, from its shards' log-probs."""
+    from evaldag.scoring.kl import kl_metrics
+
+    logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
+    return kl_metrics(logprobs, sampling=plan.sampling)
+
+
+def _samples(plan: EvalPlan, graded: pl.DataFrame, scores: pl.DataFrame | None,
+             losses: pl.DataFrame | None) -> pl.DataFrame:
+    """samples.parquet's rows: the graded rows with their reward and, where there are, each problem's adaptive
+    score and eval loss."""
+    from evaldag.scoring.rewards import combined_reward
+
+    samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))
+    if scores is not None:        # what paired verdicts compare per problem (evaldag.decisions.verdicts)
+        samples = samples.join(scores, on="sample_id", how="left", maintain_order="left")
+    if losses is not None:        # each problem's loss on its rows: what the job's eval_loss_jump pairs
+        pass
+    return samples
+
+
 def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: list[str] | None = None) -> dict:
     """Merge the shards' graded files, check completeness, compute every metric and the shard diagnostic;
     write samples.parquet (with per-sample rewards) and metrics.json; return the metrics. `only`: the problems the
     metrics are over when not all of the plan's (an evaluation stopped early: its prefix, evaldag.decisions.decide)."""
     from evaldag.scoring.diagnostics import shard_disagreement
-    from evaldag.scoring.rewards import combined_reward, reward_metrics
+    from evaldag.scoring.rewards import reward_metrics
     from evaldag.scoring.sampling_metrics import sampling_metrics
 
     t0 = time.perf_counter()
@@ -115,10 +137,7 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
         result["reward/se"] = result.get("reward/std", float("nan")) / math.sqrt(first.height)
         scores = per_problem.rename({"estimate": PROBLEM_SCORE})
     if plan.reference is not None:
-        from evaldag.scoring.kl import kl_metrics
-
-        logprobs = pl.concat([read_table(plan.logprobs_path(i), LOGPROB_SCHEMA) for i in range(plan.num_shards)])
-        result.update(kl_metrics(logprobs, sampling=plan.sampling))
+        result.update(_kl_figures(plan))
     losses = read_losses(plan, expected)        # None: no eval_loss asked for, or not every problem scored
     if losses is not None:
         from evaldag.scoring.eval_loss import eval_loss_metrics, with_loss
@@ -133,11 +152,7 @@ def reduce_results(plan: EvalPlan, graded_paths: list[str | PathLike], only: lis
     diagnostic = shard_disagreement(first, num_shards=plan.num_shards) if plan.num_shards > 1 else None
     if diagnostic is not None:
         result["shard_disagreement_p"] = float(diagnostic.details.get("p_value", 1.0))
-    samples = graded.with_columns(combined_reward(plan.benchmark.rewards).alias("reward"))
-    if scores is not None:        # what paired verdicts compare per problem (evaldag.decisions.verdicts)
-        samples = samples.join(scores, on="sample_id", how="left", maintain_order="left")
-    if losses is not None:        # each problem's loss on its rows: what the job's eval_loss_jump pairs
-        samples = samples.join(losses, on="sample_id", how="left", maintain_order="left")
+    samples = _samples(plan, graded, scores, losses)
     store.write_parquet(plan.path("samples.parquet"), samples.drop("completion_ids"))
     if plan.request.decide is not None and (decision := decide.Decision.load(plan)) is not None:
         # the sequential verdict's figures (decide.*): metrics.json holds all the MLflow run gets, so sync logs them
