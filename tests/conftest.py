@@ -224,3 +224,22 @@ def _error_logs_since(start: float, limit: int = 20, max_chars: int = 6000) -> s
     logs = asyncio.run(read())
     return "\n".join(f"{log.timestamp} flow run {log.flow_run_id} task run {log.task_run_id} [{log.name}]\n"
                      f"{log.message[-max_chars:]}" for log in reversed(logs))
+
+
+# A slow stack or model test is named with its time as soon as it ends, not only in --durations' table at the end of
+# the session: a CI run cut off at its time limit then still says where the time went.
+SLOW_TEST_S = 120
+
+
+_CONFIG: list = []
+
+
+def pytest_configure(config):
+    _CONFIG.append(config)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration >= SLOW_TEST_S and _CONFIG:
+        terminal = _CONFIG[-1].pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:
+            terminal.write_line(f"\n[slow test] {report.nodeid}: {report.duration:.0f} s")
