@@ -100,7 +100,7 @@ def _samples(plan: EvalPlan, graded: pl.DataFrame, scores: pl.DataFrame | None,
     if scores is not None:        # what paired verdicts compare per problem (evaldag.decisions.verdicts)
         samples = samples.join(scores, on="sample_id", how="left", maintain_order="left")
     if losses is not None:        # each problem's loss on its rows: what the job's eval_loss_jump pairs
-        pass
+        samples = samples.join(losses, on="sample_id", how="left", maintain_order="left")
     return samples
 
 
