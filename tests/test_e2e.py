@@ -277,6 +277,21 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
         expected = sum(1 - comb(4 - c, k) / comb(4, k) for c in correct) / len(correct)
         assert m[f"pass_at_{k}"] == pytest.approx(expected), (k, correct)
     assert len(set(samples.filter(pl.col("sample_id") == samples["sample_id"][0])["completion"])) > 1
+    # maj@k from the rows, by the rule docs/metrics.md and sampling_metrics state, written out here: the first k
+    # samples by sample_index vote with their answer group (no group: no vote), most votes wins, a tie goes to the
+    # group voted for first, the vote is right iff that group's samples are right; no vote at all is a miss
+    for k in (1, 2, 4):
+        hits = []
+        for _, rows in samples.group_by("sample_id"):
+            votes: dict = {}           # answer group -> (votes, rank of its first vote, all its samples right)
+            for group, right in rows.sort("sample_index").head(k).select("answer_group", "correct").iter_rows():
+                if group is not None:
+                    count, first, all_right = votes.get(group, (0, len(votes), True))
+                    votes[group] = (count + 1, first, all_right and bool(right))
+            best = min(votes.values(), key=lambda v: (-v[0], v[1]), default=(0, 0, False))
+            hits.append(float(best[2]))
+        assert m[f"maj_at_{k}"] == pytest.approx(sum(hits) / len(hits)), (k, hits)
+    print(f"maj@k votes: {samples['answer_group'].is_not_null().sum()} of {samples.height} samples have an answer")
 
     # KL: the reference really was the other checkpoint and was really scored
     assert run.data.params["reference"] == str(perturbed_reference)
@@ -312,11 +327,21 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     # too, which the hf engine gives)
     assert m["kl/k1/token_mean"] > 0.01 and m["kl/k2/token_mean"] > 0.01 and m["kl/k3/token_mean"] > 0.01
     assert m["kl/exact/token_mean"] > 0.01
+    # ... and the logged exact figures are what the stored per-position exact KL gives (each position's value is
+    # recomputed from both models' logits in _check_logprobs_independently above)
+    exact = [np.asarray(v) for v in logprobs["kl_exact"].to_list()]
+    assert [len(v) for v in exact] == [len(v) for v in logprobs["logp"].to_list()]
+    assert (np.concatenate(exact) >= -1e-6).all()
+    assert m["kl/exact/token_mean"] == pytest.approx(np.concatenate(exact).mean(), rel=1e-6)
+    assert m["kl/exact/sample_sum_mean"] == pytest.approx(np.mean([v.sum() for v in exact]), rel=1e-6)
 
 
 def _check_logprobs_independently(samples: pl.DataFrame, logprobs: pl.DataFrame, src, ref, dtype: str) -> None:
     """Score two completions under the policy and the reference with transformers directly, in float32
-    (chat-formatted prompt, then the generated ids), and compare with the log-probs the pipeline stored in `dtype`.
+    (chat-formatted prompt, then the generated ids), and compare with the log-probs the pipeline stored in `dtype`,
+    and the exact KL at each position, sum over the vocabulary of p (log p - log q) from both models' full
+    next-token distributions at temperature 1, with the stored `kl_exact` (float32: within 2e-3; bf16: within 0.25,
+    as the log-probs, a bound not measured for the KL).
 
     float32 agrees to 2e-3 on every token. bfloat16 (the default on a host with bf16 instructions) keeps 8 bits of
     mantissa: measured against float32, 0.017 per token on average and 0.11 at most, where the other model is 0.64
@@ -330,9 +355,10 @@ def _check_logprobs_independently(samples: pl.DataFrame, logprobs: pl.DataFrame,
     rows = samples.join(logprobs, on=["sample_id", "sample_index"]).head(2)
     assert rows.height == 2
     expected: dict[str, list[np.ndarray]] = {}
+    full: dict[str, list[torch.Tensor]] = {}           # log-softmax over the vocabulary at each generated position
     for folder, column in ((src, "logp"), (ref, "ref_logp")):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        expected[column] = []
+        expected[column], full[column] = [], []
         for row in rows.iter_rows(named=True):
             text = tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
                                            add_generation_prompt=True)
@@ -340,10 +366,14 @@ def _check_logprobs_independently(samples: pl.DataFrame, logprobs: pl.DataFrame,
             ids = torch.tensor([prompt_ids + list(row["completion_ids"])])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
-            expected[column].append(
-                torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt_ids):, None])[:, 0].numpy())
+            full[column].append(torch.log_softmax(logits, -1))
+            expected[column].append(full[column][-1].gather(1, ids[0, len(prompt_ids):, None])[:, 0].numpy())
         del model
     tolerance, mean_tolerance = (2e-3, 2e-3) if dtype == "float32" else (0.25, 0.05)
+    for i, row in enumerate(rows.iter_rows(named=True)):
+        lp, lq = full["logp"][i].double(), full["ref_logp"][i].double()
+        kl = (lp.exp() * (lp - lq)).sum(-1).numpy()
+        assert row["kl_exact"] == pytest.approx(kl.tolist(), abs=tolerance), row["sample_id"]
     for column, other in (("logp", "ref_logp"), ("ref_logp", "logp")):
         for i, row in enumerate(rows.iter_rows(named=True)):
             stored = np.asarray(row[column])
