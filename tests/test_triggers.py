@@ -46,13 +46,19 @@ def test_identity_fields_still_separate_evaluations():
         assert _id(**kw) != base
 
 
+def test_eval_loss_is_another_evaluation_unless_it_repeats_the_default():
+    assert _id({"eval_loss": True}) != _id()
+    assert _id({"eval_loss": False}) == _id()   # math500's config leaves it off
+
+
 def test_every_request_field_is_classified():
     """A new EvalRequest field must be placed: identity, output setting, or not part of the output."""
     fields = set(EvalRequest.model_fields)
     assert fields == set(IDENTITY) | set(OUTPUT_SETTINGS) | (set(NOT_OUTPUT) & fields)
 
 
-def test_the_tracked_run_and_the_sweeper_agree(tmp_path):
+@pytest.mark.parametrize("extra", [{}, {"eval_loss": True}, {"eval_loss": False}])
+def test_the_tracked_run_and_the_sweeper_agree(tmp_path, extra):
     """track() tags a run with plan_settings_key(plan); the sweeper looks up evaluated_key(...) built from its
     overrides and the folder: the same settings give the same key, so the sweeper skips exactly what was
     evaluated."""
@@ -60,7 +66,7 @@ def test_the_tracked_run_and_the_sweeper_agree(tmp_path):
     from evaldag.request.plan import resolve
 
     ckpt = complete_checkpoint(tmp_path / "run-1" / "checkpoint-100")
-    overrides = {"limit": 2, "num_shards": 1, "sampling": {"max_new_tokens": 16}, "dispatch": "inline"}
+    overrides = {"limit": 2, "num_shards": 1, "sampling": {"max_new_tokens": 16}, "dispatch": "inline", **extra}
     request = EvalRequest.parse(benchmark="math500", checkpoint=str(ckpt), step=100, train_run="run-1",
                                 **{k: v for k, v in overrides.items() if k != "dispatch"})
     plan = resolve(request, tmp_path / "results")

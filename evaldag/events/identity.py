@@ -32,7 +32,7 @@ def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str])
 # What an evaluation request is made of (evaldag.request.plan.EvalRequest's fields, and the eval flow's parameters):
 # - IDENTITY: which checkpoint on which benchmark, and where it belongs (part of every key below);
 # - OUTPUT_SETTINGS: settings that change the result: a slice (limit), sampling, pass@k's ks, the KL reference,
-#   the engine, and the shard count (batch composition moves greedy outputs);
+#   the engine, eval_loss (adds its metrics), and the shard count (batch composition moves greedy outputs);
 # - NOT_OUTPUT: where the result is logged and how the shards are dispatched; never part of a key. They are the
 #   `request.*` entries of evaldag.request.keys.NOT_RESULT_SETTINGS, the one list of settings that do not change results.
 # The keys themselves are taken from the resolved settings (the request, the benchmark config, the model's dtype,
@@ -40,16 +40,17 @@ def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str])
 IDENTITY = ("benchmark", "checkpoint", "step", "train_run")
 OUTPUT_SETTINGS = ("limit", "num_shards", "sampling", "pass_k", "reference", "engine",
                    "decide", "decide_alpha", "decide_margin", "decide_rounds",   # a stopped evaluation: a prefix
-                   "adaptive")
+                   "adaptive", "eval_loss")
 NOT_OUTPUT = tuple(k.split(".", 1)[1] for k in NOT_RESULT_SETTINGS if k.startswith("request."))
 
 
 def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
-                    default_sampling: Any = None) -> dict[str, Any]:
+                    default_sampling: Any = None, default_eval_loss: bool | None = None) -> dict[str, Any]:
     """The request's settings among `overrides` (everything but its IDENTITY), in one canonical form: unset (None)
     ones dropped, sampling completed with the benchmark's defaults (`default_sampling`, else the benchmark config's
     now; so `{"temperature": 0}` on a greedy benchmark is the same request as no override), pass_k sorted and
-    deduplicated. `engine` is left out: the model's resolved engine (`model_settings`) stands for it, so naming the
+    deduplicated, eval_loss dropped where it repeats the benchmark's default (`default_eval_loss`, else the config's;
+    so `eval_loss=false` on a benchmark without it is the same request as none). `engine` is left out: the model's resolved engine (`model_settings`) stands for it, so naming the
     default engine is the same request as naming none. Overrides the config rejects are kept as given: the
     evaluation flow reports them, a key must not fail first."""
     out = {k: v for k, v in (overrides or {}).items() if v is not None and k not in IDENTITY and k != "engine"}
@@ -69,7 +70,10 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
     try:
         from evaldag.request.config import load_benchmark, merge_sampling
 
-        base = default_sampling if default_sampling is not None else load_benchmark(benchmark).sampling
+        config = load_benchmark(benchmark) if default_sampling is None or default_eval_loss is None else None
+        base = default_sampling if default_sampling is not None else config.sampling
+        if out.get("eval_loss") == (default_eval_loss if default_eval_loss is not None else config.eval_loss):
+            out.pop("eval_loss")
         out["sampling"] = merge_sampling(base, out.get("sampling")).model_dump()
     except Exception:  # an unknown benchmark or invalid sampling: the flow names the problem
         pass
@@ -163,7 +167,7 @@ def plan_settings_key(plan: Any, decide: bool = True) -> str:
     m = plan.model
     model = {"dtype": m.dtype, "engine": m.engine, "batch_size": m.batch_size, "engine_args": dict(m.engine_args),
              "fingerprint": m.fingerprint}
-    return _key(output_settings(plan.benchmark.name, request, plan.benchmark.sampling),
+    return _key(output_settings(plan.benchmark.name, request, plan.benchmark.sampling, plan.benchmark.eval_loss),
                 plan.benchmark.model_dump(mode="json"), model)
 
 
