@@ -103,24 +103,6 @@ def per_problem_pass_at_k(graded: pl.DataFrame, k: int) -> pl.DataFrame:
     return _with_pass(counts, n, k)
 
 
-def pass_at_k_table(graded: pl.DataFrame, ks: list[int]) -> dict[str, float]:
-    """pass@k averaged over problems, for each k: {"pass@{k}": value}. Raises ValueError unless 1 <= k <= n."""
-    counts, n = _problem_counts(graded)
-    for k in ks:
-        _check_k(n, k)
-    with_all = counts
-    for k in ks:
-        with_all = _with_pass(with_all, n, k, name=f"pass@{k}")
-    row = with_all.select(pl.col(f"pass@{k}").mean() for k in dict.fromkeys(ks)).row(0, named=True)
-    return {name: float(v) for name, v in row.items()}
-
-
-def avg_at_n(graded: pl.DataFrame) -> dict[str, float]:
-    """Mean correctness over all samples: {"avg@{n}": value} (equals pass@1 when every problem has n samples)."""
-    _, n = _problem_counts(graded)   # also checks that every problem has the same n
-    return {f"avg@{n}": float(graded["correct"].cast(pl.Float64).mean())}
-
-
 # --------------------------------------------------------------------------------------------------------------
 # maj@k
 # --------------------------------------------------------------------------------------------------------------
@@ -300,20 +282,6 @@ def bootstrap_mean_ci(values: np.ndarray | pl.Series, n_boot: int = 1000, seed: 
                             for start in range(0, n_boot, rows)])
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return float(lo), float(hi)
-
-
-def bootstrap_ci(graded: pl.DataFrame, statistic: Callable[[pl.DataFrame], Any], n_boot: int = 1000,
-                 seed: int = 0, confidence: float = 0.95) -> tuple[float, float]:
-    """Bootstrap interval of a metric that is a mean of per-problem values, resampling problems.
-
-    `statistic(graded)` returns the per-problem values (a numpy array, a polars Series, or a DataFrame whose last
-    column holds them), e.g. `lambda g: per_problem_pass_at_k(g, 4)["pass_at_k"]`. The table is reduced once;
-    the resampling is over that vector, so 1000 resamples cost one numpy gather.
-    """
-    values = statistic(graded)
-    if isinstance(values, pl.DataFrame):
-        values = values.to_series(values.width - 1)
-    return bootstrap_mean_ci(values, n_boot=n_boot, seed=seed, confidence=confidence)
 
 
 # --------------------------------------------------------------------------------------------------------------

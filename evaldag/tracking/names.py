@@ -20,7 +20,7 @@ UNDECIDED_SETTINGS_TAG = "evaldag.settings_key_without_decide"
 # An evaluation that stopped early (evaldag.decisions.decide) is tagged decide.status=stopped: its accuracy is over a
 # prefix of the problems. At a step, a full evaluation supersedes it whatever their order, and it is never the job's
 # best (evaldag.decisions.best).
-DECIDE_STATUS_TAG, DECIDE_VERDICT_TAG = "decide.status", "decide.verdict"
+DECIDE_STATUS_TAG = "decide.status"
 
 
 def stopped_early(tags: dict) -> bool:
