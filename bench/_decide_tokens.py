@@ -157,7 +157,7 @@ def simulate_run(rng: np.random.Generator, p_a: np.ndarray, p_b: np.ndarray, n: 
     full_tokens = float(length.sum())
     if stop_t is None:
         wall = max(cost_until(slot.curve, float("inf")) for slot in slots)
-        return {"tokens": 1.0, "wall": wall, "stop": 1.0, "verdict": verdict}
+        return {"tokens": 1.0, "wall": wall, "stop": 1.0, "verdict": verdict, "ungated": ungated}
     # at the stop: everything outside the prefix withdrawn (its partial tokens spent), the prefix's own finish
     tokens, last = 0.0, stop_t
     for (rank, j), start in starts.items():
@@ -169,7 +169,7 @@ def simulate_run(rng: np.random.Generator, p_a: np.ndarray, p_b: np.ndarray, n: 
     tokens += sum(float(length[r, j]) for r, j in unstarted)
     last = max([last] + [stop_t + length[r, j] for r, j in unstarted])
     wall = max(cost_until(slot.curve, stop_t) for slot in slots) + (last - stop_t) * STEP_BASE
-    return {"tokens": tokens / full_tokens, "wall": wall, "stop": stop_r / problems, "verdict": verdict}
+    return {"tokens": tokens / full_tokens, "wall": wall, "stop": stop_r / problems, "verdict": verdict, "ungated": ungated}
 
 
 def _decided_end(correct: np.ndarray, known: np.ndarray, score_a: np.ndarray, ends: list[int], alpha: float,
