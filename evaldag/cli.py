@@ -285,6 +285,9 @@ def run(
     benchmarks: Annotated[Optional[str], typer.Option(help="math500,aime24: one eval/suite run (one engine load "
                                                       "per gpu slot) instead of BENCHMARK")] = None,
     seed: Annotated[Optional[int], typer.Option(min=0, help="sampling seed (another seed: a fresh generation)")] = None,
+    eval_loss: Annotated[Optional[bool], typer.Option(help="score the benchmark's reference solutions and log "
+                                                      "eval_loss (default: the benchmark's setting; "
+                                                      "docs/metrics.md)")] = None,
 ) -> None:
     """Run `eval/<benchmark>` (eval/suite for --benchmarks) on the local stack (what `prefect deployment run` does),
     follow it, print the result and the paired verdicts against the job's previous and best checkpoints (and
@@ -305,7 +308,7 @@ def run(
                                     sampling=sampling, train_run=train_run, baseline=baseline,
                                     final_step=final_step, decide="vs_best" if decide else None,
                                     decide_margin=decide_margin, decide_alpha=decide_alpha,
-                                    adaptive=adaptive).items()
+                                    adaptive=adaptive, eval_loss=eval_loss).items()
               if v is not None}
     deployment, params = (names[0], params) if len(names) == 1 else (SUITE, {**params, "benchmarks": names})
     runner.run_and_report(stack, deployment, params)

@@ -1,4 +1,4 @@
-"""`evaldag run --seed` and `--benchmarks a,b`: what the command line hands to the deployment it runs."""
+"""`evaldag run --seed`, `--eval-loss` and `--benchmarks a,b`: what the command line hands to the deployment it runs."""
 
 from __future__ import annotations
 
@@ -30,6 +30,13 @@ def test_seed_is_the_sampling_seed(sent):
     assert _run("gsm8k", "--seed", "3", "--temperature", "0.6").exit_code == 0
     assert sent[-1][1]["sampling"] == {"temperature": 0.6, "seed": 3}
     assert _run("gsm8k", "--seed", "-1").exit_code == 2 and len(sent) == 2
+
+
+def test_eval_loss_is_passed_only_when_given(sent):
+    assert _run("math500", "--eval-loss", "--limit", "3").exit_code == 0
+    assert _run("gsm8k", "--no-eval-loss").exit_code == 0
+    assert _run("gsm8k").exit_code == 0
+    assert sent == [("math500", {"limit": 3, "eval_loss": True}), ("gsm8k", {"eval_loss": False}), ("gsm8k", {})]
 
 
 def test_several_benchmarks_run_as_one_suite(sent):
