@@ -61,6 +61,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     decide_margin: float | None = None,
     decide_rounds: int | None = None,
     adaptive: dict | None = None,
+    eval_loss: bool | None = None,
 ) -> dict:
     """Evaluate one checkpoint on `benchmark` (or on every one of `benchmarks`) and log each to MLflow; returns the
     headline figures (for several benchmarks: {"benchmarks": {name: figures}}).
@@ -74,6 +75,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     equivalence margin `decide_margin`, read `decide_rounds` times (evaldag.decisions.decide; with dispatch="deployment").
     `adaptive` ({"budget": samples} or {"target_ci_width": 0.05}, and optionally n0, floor, max_per_problem) draws
     n0 samples of every problem, then more where the outcome is uncertain (evaldag.decisions.adaptive; engine vllm).
+    `eval_loss` scores the benchmark's reference solutions and logs eval_loss (default: the benchmark config's).
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
@@ -85,7 +87,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
                                       train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine,
                                       baseline=baseline, final_step=final_step, decide=decide,
                                       decide_alpha=decide_alpha, decide_margin=decide_margin,
-                                      decide_rounds=decide_rounds, adaptive=adaptive)
+                                      decide_rounds=decide_rounds, adaptive=adaptive, eval_loss=eval_loss)
                     for name in names]     # every request is checked before anything is resolved
         plan_paths, plans, deciders, decisions, running = _plan(requests, decide, dispatch)
         graded: dict[str, list[str]] = {path: [] for path in plan_paths}

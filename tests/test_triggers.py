@@ -57,6 +57,18 @@ def test_every_request_field_is_classified():
     assert fields == set(IDENTITY) | set(OUTPUT_SETTINGS) | (set(NOT_OUTPUT) & fields)
 
 
+def test_every_request_field_is_a_parameter_of_the_evaluation_flow():
+    """A request field the flow does not take cannot be asked for by `prefect deployment run`, `evaldag run` or an
+    automation: the flow run crashes on the unknown parameter (eval_loss did, before it was added)."""
+    import inspect
+
+    from flows.eval_flow import eval_flow
+
+    parameters = set(inspect.signature(eval_flow.fn).parameters)
+    assert set(EvalRequest.model_fields) <= parameters
+    assert parameters - set(EvalRequest.model_fields) == {"dispatch", "benchmarks"}
+
+
 @pytest.mark.parametrize("extra", [{}, {"eval_loss": True}, {"eval_loss": False}])
 def test_the_tracked_run_and_the_sweeper_agree(tmp_path, extra):
     """track() tags a run with plan_settings_key(plan); the sweeper looks up evaluated_key(...) built from its
