@@ -2,10 +2,16 @@
 
 Prefect's process worker, left without a command, starts a flow run through its workspace supervisor: a Python
 process that imports Prefect (3-4 s of a 2-core box, measured) to run the deployment's pull step and then start
-`python -m prefect.engine` in a session and process group of its own. This launcher keeps that shape (the flow run
+`python -m prefect.engine` in a session and process group of its own. This launcher keeps the group (the flow run
 and whatever it starts, vLLM's workers on a GPU host, in one group apart from the worker's; a stop signal reaches
 all of them; the run dies with its launcher) for the price of a bare interpreter start: it imports only the standard
 library, and the engine runs the pull step itself when it loads the flow.
+
+It does not start a session: with the kernel's autogroup scheduling (on in most Linux kernels) CPU time is shared
+between sessions first and by nice only within one, so a flow run in a session of its own competes as an equal with
+a `nice -n 19` process started anywhere else, and vLLM's threads, which wait for each other at every step, slowed
+3-4x beside one (docs/performance.md, bench/bench_contention.py). In the worker's session a low-priority neighbour
+of the user's stays low.
 """
 
 from __future__ import annotations
@@ -39,10 +45,10 @@ def _forward(sig: int, _frame: object) -> None:
         signal.signal(sig, _forward)
 
 
-def _new_session() -> None:
+def _own_group() -> None:
     try:
-        os.setsid()
-    except OSError:                        # already a session leader: nothing to leave
+        os.setpgid(0, 0)
+    except OSError:                        # a session leader leads its group already
         pass
 
 
@@ -56,9 +62,9 @@ def _end_as(code: int) -> int:
 
 
 def launch(command: list[str]) -> int:
-    """Run `command` in a new session with this process, forward stop signals to the whole group, and end as it
-    ended (the same exit code, or the same signal)."""
-    _new_session()
+    """Run `command` in a new process group with this process, forward stop signals to the whole group, and end as
+    it ended (the same exit code, or the same signal)."""
+    _own_group()
     # the engine dies with this launcher: a worker's hard kill reaches the launcher alone
     child = subprocess.Popen(command, preexec_fn=die_with_parent)
     for sig in _FORWARDED:

@@ -20,7 +20,7 @@ Everything lives under one state directory, `evaldag.paths.home()`:
 `Stack.up()` is idempotent: a component that is alive, ours and configured as asked is left alone; a dead one, a
 server that does not answer (stopping, or hung), or one started with another configuration, is (re)started.
 `Stack.down()` stops workers first, then the servers, and kills whole process groups plus every process that carries
-this stack's `EVALDAG_STACK_ID` (flow runs spawned by a worker run in their own sessions, so a process-group kill
+this stack's `EVALDAG_STACK_ID` (flow runs spawned by a worker run in their own process groups, so a process-group kill
 alone would miss them).
 
 The package, one job per module: `settings` (StackSettings, component names), `components` (what to run: argv,

@@ -1,10 +1,14 @@
-"""Process supervision of the stack's components: start each in its own session with its log, recognise it again
+"""Process supervision of the stack's components: start each in its own process group with its log, recognise it again
 (pid *and* start time, so a recycled pid is never ours), stop whole process groups plus the descendants that left
 them, and sweep leftovers by their EVALDAG_STACK_ID.
 
 Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5): a worker whose SIGINT is inherited as ignored never
-stops on SIGTERM, so children get SIGINT reset to default; flow runs spawned by a worker run in their own sessions,
-so a process-group kill alone would miss them.
+stops on SIGTERM, so children get SIGINT reset to default; flow runs spawned by a worker run in their own process
+groups, so a process-group kill alone would miss them.
+
+Groups, not sessions: a component stays in the session of whoever ran `evaldag up`, because the kernel's autogroup
+scheduling shares CPU between sessions first and by nice only within one; in a session of their own, the workers'
+flow runs would compete as equals with a `nice -n 19` job the user started (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class ProcessSupervisor:
             out.flush()
             started_at = time.time()
             proc = subprocess.Popen(spec.argv, cwd=spec.cwd, env={**os.environ, **spec.env}, stdin=subprocess.DEVNULL,
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    stdout=out, stderr=subprocess.STDOUT, process_group=0,
                                     preexec_fn=_reset_sigint, **spec.popen)
         _CHILDREN[proc.pid] = proc
         return {
@@ -122,8 +126,8 @@ class ProcessSupervisor:
                 self._terminate(group, signals, leader_only=kind == "db")
 
     def _terminate(self, recs: list[dict], signals: tuple[int, ...], leader_only: bool = False) -> None:
-        """Signal each component's process group (pgid == pid: each leads its own session), plus descendants that
-        left the group (flow runs run in their own sessions); escalate to SIGKILL; wait until all are gone."""
+        """Signal each component's process group (pgid == pid: each leads its own group), plus descendants that
+        left the group (flow runs run in groups of their own); escalate to SIGKILL; wait until all are gone."""
         leaders: list[psutil.Process] = []
         targets: dict[int, psutil.Process] = {}
         loose: list[psutil.Process] = []
