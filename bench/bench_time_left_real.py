@@ -8,7 +8,9 @@ Printed: when the first tokens and the first forecast came; the relative error |
 seconds left, largest and median over the reports made once 20 % of the work (tokens) was done and while more than
 10 % of the generation was left, and at the first report past 20, 50 and 80 % of the work; for the forecast as built
 (evaldag.pipeline.time_left: fitted step time, drawn lengths) and for tokens left / the recent rate beside it (the
-forecast before the step-time model), from the same reports. One torch process: run it with nothing else loading a
+forecast before the step-time model), from the same reports; beside them, tokens left over the rate of the last
+60 and 120 s, the true tokens left over the rate of the last 60 s (what the rate alone gets wrong), and the
+Kaplan-Meier tokens-left error itself. One torch process: run it with nothing else loading a
 model.
 """
 
@@ -36,7 +38,8 @@ def main() -> None:
     from evaldag.pipeline.time_left import TimeLeft
     from evaldag.request.plan import EvalRequest, resolve
 
-    reports: list[tuple[float, int, float | None, float | None]] = []   # (time, tokens, seconds left, left / rate)
+    # (time, tokens, seconds left, left / rate, tokens left)
+    reports: list[tuple[float, int, float | None, float | None, int]] = []
     forecasts: list[TimeLeft] = []
 
     class Recording(TimeLeft):
@@ -47,7 +50,7 @@ def main() -> None:
         def estimate(self, tokens_so_far, running, not_started=None):
             est = super().estimate(tokens_so_far, running, not_started)
             rate = est.tokens_left / est.tokens_per_s if est.seconds_left is not None and est.tokens_per_s else None
-            reports.append((time.monotonic(), tokens_so_far, est.seconds_left, rate))
+            reports.append((time.monotonic(), tokens_so_far, est.seconds_left, rate, est.tokens_left))
             return est
 
     shard_runs.TimeLeft = Recording
@@ -58,8 +61,8 @@ def main() -> None:
         generate_shard(plan, 0, lambda p: None)
     end = reports[-1][0]
     total = reports[-1][1]
-    first_token = next(t for t, tok, _, _ in reports if tok > 0)
-    first_forecast = next(t for t, _, s, _ in reports if s is not None)
+    first_token = next(r[0] for r in reports if r[1] > 0)
+    first_forecast = next(r[0] for r in reports if r[2] is not None)
     span = end - first_token
     print(f"{args.benchmark}, {plan.n_problems} problems, {args.max_new_tokens} tokens: {len(reports)} reports, "
           f"generation {span:.0f} s ({total} tokens, {total / span:.0f} tok/s); first tokens {first_token - t0:.0f} s "
@@ -70,9 +73,30 @@ def main() -> None:
         print(f"  fitted step time: {model.base_s * 1e3:.1f} ms + {model.per_seq_s * 1e3:.2f} ms x running "
               f"(prior: {est.base_fraction:.0%} of a full step fixed); measured (running, ms per step, seconds):")
         print("   ", ", ".join(f"({c:.0f}, {1e3 * s * c / k:.0f}, {s:.0f})" for s, c, k in est._intervals))
-    for label, col in (("evaldag (fitted step time, drawn lengths)", 2), ("tokens left / recent rate", 3)):
+    # beside them, from the same reports: tokens left over the rate of the last `w` seconds of reports, and the true
+    # tokens left over that rate (what the rate alone gets wrong)
+    def windowed(k: int, w: float, true_tokens: bool = False) -> float | None:
+        t, tok = reports[k][0], reports[k][1]
+        if reports[k][2] is None:
+            return None
+        t0, tok0 = next((r[0], r[1]) for r in reports if r[0] >= t - w and r[1] > 0)
+        if t <= t0 or tok <= tok0:
+            return None
+        left = total - tok if true_tokens else reports[k][4]
+        return left / ((tok - tok0) / (t - t0))
+
+    rows = [(r[0], r[1], r[2], r[3], *(windowed(k, w) for w in (60, 120)), windowed(k, 60, True))
+            for k, r in enumerate(reports)]
+    errs_tokens = [(r[4] - (total - r[1])) / max(total - r[1], 1) for r in reports
+                   if r[2] is not None and r[1] >= 0.2 * total and end - r[0] > 0.1 * span]
+    if errs_tokens:
+        print(f"  tokens left (Kaplan-Meier): error from 20 % of the work on, first {errs_tokens[0]:+.0%}, "
+              f"median {np.median(errs_tokens):+.0%}, max |{max(map(abs, errs_tokens)):.0%}|")
+    for label, col in (("evaldag (fitted step time, drawn lengths)", 2), ("tokens left / recent rate", 3),
+                       ("tokens left / rate of the last 60 s", 4), ("tokens left / rate of the last 120 s", 5),
+                       ("true tokens left / rate of the last 60 s", 6)):
         errs, marks = [], {}
-        for row in reports:
+        for row in rows:
             t, tok, forecast = row[0], row[1], row[col]
             truth = end - t
             if forecast is None or tok < 0.2 * total or truth <= 0.1 * span:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from evaldag.pipeline.time_left import (TAIL_MIN_FINISHED, StepModel, Survival, TimeLeft, drain_seconds,
-                                       fit_step_model, tokens_left)
+                                       fit_step_model, tokens_left, without_finished)
 
 
 def test_what_is_left_in_cases_worked_by_hand():
@@ -278,3 +278,14 @@ def test_the_forecast_knows_the_engine_slows_as_it_drains():
                 rate.append((naive - truth) / truth)
     assert abs(np.mean(ours)) < 0.2 and np.mean(np.abs(ours)) < 0.25, (np.mean(ours), np.mean(np.abs(ours)))
     assert np.mean(rate) < -0.25, np.mean(rate)
+
+
+def test_a_finished_request_leaves_the_running_counts():
+    """The engine's counts hold a finished request until its next report: each finished completion takes away the
+    largest count at or below its length (its last report), the smallest where none is, and nothing else."""
+    assert without_finished((30, 120, 118, 400), [119]) == (30, 120, 400)      # 118: the last report of the 119
+    assert without_finished((30, 120, 118, 400), [500, 25]) == (118, 120)      # 400 for 500; none below 25: 30
+    assert without_finished((5, 5, 7), [7, 7, 7, 7]) == ()
+    assert without_finished((), [10]) == ()
+    counts = tuple(range(0, 200, 7))
+    assert sorted(without_finished(counts, [])) == list(counts)

@@ -20,7 +20,7 @@ from evaldag.errors import ConfigError
 from evaldag.pipeline import faults
 from evaldag.pipeline.chunks import missing_requests, tokens_of, written_samples
 from evaldag.pipeline.progress import ShardProgress
-from evaldag.pipeline.time_left import BASE_FRACTION, TimeLeft
+from evaldag.pipeline.time_left import BASE_FRACTION, TimeLeft, without_finished
 from evaldag.request.plan import EvalPlan
 from evaldag.request.sharding import SAMPLE_ROUNDS, sample_pieces, splits_samples
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
@@ -398,8 +398,10 @@ class PerRequest(ShardRun):
         self._pending_requests += 1
         self.tokens += sum(c.completion_tokens for c in completions)
         self.time_left.finish([c.completion_tokens for c in completions])
-        # the engine's running count still holds this request's tokens until its next report
+        # the engine's running counts still hold this request's tokens until its next report
         self.running_tokens = max(0, self.running_tokens - sum(c.completion_tokens for c in completions))
+        if self.running_counts:
+            self.running_counts = without_finished(self.running_counts, [c.completion_tokens for c in completions])
         self._left[i] -= 1
         self.done += self._left[i] == 0
 

@@ -29,6 +29,7 @@ Before any completion has finished the estimate is the pessimistic one (every co
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import time
 from collections import deque
@@ -222,6 +223,20 @@ def tokens_left(finished: Sequence[int], running: Sequence[int], not_started: in
     return float(not_started * survival.mean() + survival.mean_left(so_far).sum())
 
 
+def without_finished(counts: Sequence[int], lengths: Sequence[int]) -> tuple[int, ...]:
+    """The running sequences' token counts less the completions that just finished with `lengths`: the engine's
+    counts hold a finished request until its next report, and counted twice it would add its expected rest to the
+    tokens left. Each finished one is taken to be the largest count at or below its length (its last report), or
+    the smallest count where none is."""
+    left = sorted(counts)
+    for n in sorted(lengths, reverse=True):
+        if not left:
+            break
+        k = bisect.bisect_right(left, n)
+        left.pop(k - 1 if k else 0)
+    return tuple(left)
+
+
 @dataclass(frozen=True)
 class StepModel:
     """Seconds of one decode step of an engine running c sequences: base_s + per_seq_s x c."""
@@ -379,4 +394,4 @@ class TimeLeft:
 
 
 __all__ = ["BASE_FRACTION", "DRAW_BUDGET", "DRAWS", "MIN_SPAN_S", "PRIOR_WEIGHT_S", "TAIL_MIN_FINISHED", "Estimate",
-           "StepModel", "Survival", "Tail", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left"]
+           "StepModel", "Survival", "Tail", "TimeLeft", "drain_seconds", "fit_step_model", "tokens_left", "without_finished"]
