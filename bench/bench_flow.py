@@ -40,7 +40,7 @@ def _engine_only(plan) -> float:
     """Load the engine once per shard (as the shards do) and generate the same batches of the same prompts."""
     from evaldag.engines import load_engine
 
-    m = plan.resolved_model
+    m = plan.model
     t0 = time.perf_counter()
     for shard in range(plan.num_shards):
         prompts = plan.shard_inputs(shard)["prompt"].to_list()

@@ -28,11 +28,21 @@ PACKAGE = str(_common.REPO / "evaldag")
 
 
 def handed(frame, follow: tuple) -> bool:
-    """Whether a call's arguments (self included) hold one of the objects followed, or the plan path."""
+    """Whether a call's arguments (self included) hold one of the objects followed, the plan path, or an object made
+    from the plan that carries it (a ShardPlan's `plan`, a ShardRun's): following the plan follows those too."""
     code = frame.f_code
     names = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
     values = [frame.f_locals.get(n) for n in names]
+    values += [_plan_of(v) for v in values if not isinstance(v, str)]
     return any(v is x or (isinstance(v, str) and isinstance(x, str) and v == x) for v in values for x in follow)
+
+
+def _plan_of(value: object) -> object:
+    """`value.plan` where it has one (any object passes here: a failing attribute lookup is not one)."""
+    try:
+        return getattr(value, "plan", None)
+    except Exception:
+        return None
 
 
 def trace(run, follow: tuple = ()) -> list[tuple[str, str]]:

@@ -187,9 +187,9 @@ def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: i
                "new_mlflow_run": run.created, "metrics": metrics}
     create_markdown_artifact(summary_markdown(plan, metrics, run.url, run.diagnostics),
                              key=f"eval-{plan.benchmark.name}",
-                             description=f"{plan.resolved_model.name} on {plan.benchmark.name} at step {step}")
+                             description=f"{plan.model.name} on {plan.benchmark.name} at step {step}")
     create_table_artifact(headline_table(plan, metrics, run.url), key=f"eval-{plan.benchmark.name}-mlflow",
                           description="headline metrics and the MLflow run they were logged to")
-    get_run_logger().info("%s on %s: accuracy %.4f over %d samples; MLflow run %s", plan.resolved_model.name,
+    get_run_logger().info("%s on %s: accuracy %.4f over %d samples; MLflow run %s", plan.model.name,
                           plan.benchmark.name, metrics["accuracy"], int(metrics["n_samples"]), run.url or run.run_id)
     return summary

@@ -17,6 +17,7 @@ from evaldag.request.gpus import shard_gpus
 from evaldag.scoring.grading import start_worker_server
 from evaldag.runtime.liveness import fence, revive, watch_for_false_crash
 from evaldag.request.plan import load_plan
+from evaldag.request.shard_plan import shard_plan
 from evaldag.pipeline.generate import workload
 from evaldag.pipeline.loss_files import missing as eval_loss_missing
 from tasks.gpu_slots import hold_gpus, in_deployment
@@ -49,12 +50,12 @@ def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | None
                    or eval_loss_missing(plan, shard_index)]
     for plan in to_generate:      # a clear error before anything reads the folder (the tokenizer, just below)
         check_models(plan)
-    gpus = max((shard_gpus(plan.resolved_model) for plan in to_generate), default=0)
+    gpus = max((shard_gpus(plan.model) for plan in to_generate), default=0)
     start_worker_server()  # grading's worker processes get ready while the engine loads
     # sized once for what all of them need together, so the first load serves them all
     need = None
     for plan in to_generate:
-        if (w := workload(plan, shard_index)) is not None:
+        if (w := workload(shard_plan(plan, shard_index))) is not None:
             need = w.covering(need)
     # engines close (keep_loaded ends) before the slots go back
     with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(need):

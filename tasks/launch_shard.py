@@ -151,6 +151,6 @@ def _check_parent(client, parent_run_id: str, shard_index: int) -> None:
 
 def check_models(plan: EvalPlan) -> None:
     """CheckpointError unless the plan's model (and reference) folders still hold what was planned."""
-    check_unchanged(plan.resolved_model)
+    check_unchanged(plan.model)
     if plan.reference is not None:
         check_unchanged(plan.reference, "reference model")

@@ -13,6 +13,6 @@ def resolve_task(request: EvalRequest, num_gpus: int = 1) -> str:
     the plan's path."""
     plan = resolve(request, num_gpus=num_gpus)
     get_run_logger().info("eval_key %s: %s on %s, %d problems in %d shards -> %s", plan.eval_key[:12],
-                          plan.resolved_model.name, plan.benchmark.name, plan.n_problems, plan.num_shards,
+                          plan.model.name, plan.benchmark.name, plan.n_problems, plan.num_shards,
                           plan.result_dir)
     return str(plan.path("plan.json"))

@@ -13,7 +13,7 @@ from mlflow import MlflowClient
 
 from evaldag.tracking import compare
 from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
-from evaldag.tracking.write import ensure_experiment, parent_run
+from evaldag.tracking.parent_runs import ensure_experiment, parent_run
 
 
 def _log_eval(client, exp_id: str, job: str, step: int, acc: float, reward: float) -> None:

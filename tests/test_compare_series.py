@@ -9,7 +9,7 @@ from mlflow import MlflowClient
 
 from evaldag.tracking import compare
 from evaldag.tracking.names import experiment_name
-from evaldag.tracking.write import ensure_experiment
+from evaldag.tracking.parent_runs import ensure_experiment
 
 FULL = {100: 0.30, 200: 0.42, 300: 0.50, 400: 0.55, 500: 0.58, 600: 0.60}
 

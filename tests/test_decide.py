@@ -91,7 +91,7 @@ def test_a_stopped_shard_finishes_the_decided_prefix_and_a_full_evaluation_gener
     generates only the samples the stopped one did not, and its rows for the others are the stopped run's."""
     ckpt, _, results = streaming
     monkeypatch.setenv("EVALDAG_DECIDE_IN_FLIGHT", "2")
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda shard: None)   # sizing vLLM reads a real tokenizer
     plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     finished = []
@@ -132,7 +132,7 @@ def test_a_shard_relaunched_after_the_stop_generates_only_the_prefix_it_lacks(st
     """A shard started when the stop file is already there (its node was lost after the decision) generates only
     the decided prefix's missing samples."""
     ckpt, _, results = streaming
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda shard: None)
     plan = _decide_plan(ckpt, results, sampling={"n": 2, "temperature": 0.7}, engine="vllm")
     order = decision_order(plan.sample_ids(), plan.sampling.seed)
     store.write_text(stop_path(plan), json.dumps({"problems": 2}))

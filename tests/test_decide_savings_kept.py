@@ -39,13 +39,14 @@ def test_the_sweeper_counts_a_decided_evaluation_as_done_unless_asked_for_the_fu
     from mlflow import MlflowClient
 
     from evaldag.tracking import history, write
+    from evaldag.tracking.parent_runs import ensure_experiment
     from evaldag.tracking.names import experiment_name
 
     w = KeyWorld(tmp_path, monkeypatch)
     plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(w.ckpt), step=100, limit=3, num_shards=1,
                                decide="vs_best"), w.results)
     client = MlflowClient()
-    exp_id = write.ensure_experiment(client, experiment_name("aime24"))
+    exp_id = ensure_experiment(client, experiment_name("aime24"))
     run = client.create_run(exp_id, tags=write._run_tags(plan, None))       # tagged as track() tags it
     client.set_terminated(run.info.run_id, "FINISHED")
     sweeper = evaluated_key(w.ckpt, 100, "aime24", {"limit": 3, "num_shards": 1})   # the sweeper asks no decide

@@ -306,7 +306,7 @@ def test_sampled_pass_at_k_maj_at_k_and_kl(live_stack, perturbed_reference):
     # the stored log-probs are the two models' own: recomputed here with a plain transformers forward pass
     generations = read_table(plan.generations_path(0), GENERATION_SCHEMA)     # with the generated token ids
     _check_logprobs_independently(generations, logprobs, src=resolve_model("smollm2-135m-instruct").path,
-                                  ref=perturbed_reference, dtype=plan.resolved_model.dtype)
+                                  ref=perturbed_reference, dtype=plan.model.dtype)
     r = ref - logp
     # the logged estimates follow from these log-probs by the textbook formulas (Schulman's k1 = -r, k2 = r^2 / 2,
     # k3 = e^r - 1 - r per token, r = log p_ref - log p), computed here with numpy, not with evaldag.scoring.kl

@@ -15,6 +15,7 @@ from test_stages import CountingEngine
 from evaldag import engines, paths
 from evaldag.errors import ConfigError
 from evaldag.pipeline.eval_loss import eval_loss_shard
+from evaldag.request.shard_plan import shard_plan
 from evaldag.pipeline.generate import generate_shard
 from evaldag.pipeline.grade import grade_shard
 from evaldag.pipeline.loss_files import loss_path
@@ -84,7 +85,7 @@ def test_a_shard_without_its_loss_file_is_not_done_and_scores_on_its_own(plan_wi
     assert shard_done(plan, 0) is not None
     loss_path(plan, 0).unlink()
     assert shard_done(plan, 0) is None
-    assert eval_loss_shard(plan, 0) == loss_path(plan, 0) and len(LossEngine.scored) == 6
+    assert eval_loss_shard(shard_plan(plan, 0)) == loss_path(plan, 0) and len(LossEngine.scored) == 6
 
 
 def test_eval_loss_is_part_of_the_eval_key_only_when_on(tmp_path, monkeypatch):

@@ -87,7 +87,7 @@ def test_the_installed_examples_metric_and_reward_reach_mlflow(installed, config
     config["metrics"] = ["boxed_share"]
     bench.write_text(yaml.safe_dump(config))
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: RightEngine())
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda shard: None)
     ckpt = complete_checkpoint(tmp_path / "ckpt")
     plan = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=3, num_shards=1, engine="vllm"),
                    tmp_path / "results")

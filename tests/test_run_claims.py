@@ -143,7 +143,8 @@ def test_a_claim_that_fails_otherwise_leaves_no_live_looking_candidate(sqlite_ml
     from mlflow.exceptions import MlflowException
 
     from evaldag.tracking import client as tracking_client
-    from evaldag.tracking.write import ensure_experiment, track
+    from evaldag.tracking.parent_runs import ensure_experiment
+    from evaldag.tracking.write import track
     from evaldag.tracking.names import experiment_name
 
     client = MlflowClient()

@@ -41,7 +41,7 @@ class PatternEngine(ByIndexEngine):
 def fake_vllm(tmp_path, monkeypatch):
     ckpt = complete_checkpoint(tmp_path / "ckpt")
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: PatternEngine())
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda shard: None)
     PatternEngine.generated = []
     return ckpt, tmp_path / "results"
 

@@ -586,7 +586,7 @@ def test_split_samples_are_the_whole_requests_samples_each_once(streaming, monke
     whole = pl.read_parquet(generate_shard(_plan_of(ckpt, results / "a", n=4, temperature=0.7), 0))
     split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=3, engine="vllm",
                                 sampling={"n": 4, "temperature": 0.7}), results / "b")
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda shard: None)   # sizing vLLM reads a real tokenizer
     assert split.num_shards == 3 and split.sample_runs is not None
     parts = [pl.read_parquet(generate_shard(split, s)) for s in range(3)]
     keys = ["sample_id", "sample_index", "completion", "shard_index"]
@@ -606,7 +606,7 @@ def test_a_problems_samples_go_in_one_by_one_round_by_round_and_resume_to_the_wh
     from evaldag.decisions.decide import decision_order
 
     ckpt, _, results = streaming
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda shard: None)   # sizing vLLM reads a real tokenizer
 
     def vllm_plan(folder):
         return resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm",
@@ -664,7 +664,7 @@ def test_a_shard_resumes_per_sample_from_chunks_cut_otherwise(streaming, monkeyp
     (problem, sample) is generated once and the merge finds each once (a check by first sample would skip a
     partly written problem's other samples, or generate its written ones again)."""
     ckpt, _, results = streaming
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda shard: None)
     dealt = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=8, num_shards=1, engine="vllm",
                                 sampling={"n": 4, "temperature": 0.7}), results)
     StreamingEngine.crash_after, StreamingEngine.delay = 13, 0.0
@@ -688,7 +688,7 @@ def test_a_split_plan_is_refused_by_an_engine_that_samples_a_prompt_at_once(setu
     ckpt, _, results = setup
     split = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=2, engine="vllm",
                                 sampling={"n": 4, "temperature": 0.7}), results)
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)   # sizing vLLM reads a real tokenizer
+    monkeypatch.setattr(generate, "workload", lambda shard: None)   # sizing vLLM reads a real tokenizer
     with pytest.raises(ConfigError, match="splits problems' samples over shards.*vllm"):
         generate_shard(split, 0)
 
@@ -734,7 +734,7 @@ def test_maj_at_k_of_a_split_plan_equals_the_unsplit_one(streaming, monkeypatch)
     group 0 of shard A and group 0 of shard B (different answers) are counted as one answer in maj@k."""
     ckpt, _, results = streaming
     monkeypatch.setattr(engines, "load_engine", lambda *a, **k: VotingEngine())
-    monkeypatch.setattr(generate, "workload", lambda plan, shard: None)
+    monkeypatch.setattr(generate, "workload", lambda shard: None)
     sampling = {"n": 4, "temperature": 0.7}
     whole = resolve(EvalRequest(benchmark="aime24", checkpoint=str(ckpt), limit=4, num_shards=1, engine="vllm",
                                 sampling=sampling), results / "a")

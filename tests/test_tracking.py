@@ -163,7 +163,8 @@ def test_a_live_writer_is_waited_for_and_a_dead_one_is_taken_over(mlflow_server,
     from evaldag.request.plan import load_plan
     from evaldag.tracking.run_claims import HEARTBEAT_TAG, TrackingBusy, claim_run, take_writer
     from evaldag.tracking.names import experiment_name
-    from evaldag.tracking.write import ensure_experiment, track
+    from evaldag.tracking.parent_runs import ensure_experiment
+    from evaldag.tracking.write import track
 
     plan = load_plan(_finished_plan(tmp_path, 40, "lease-run"))
     client = MlflowClient()
@@ -271,7 +272,8 @@ def test_a_transient_mlflow_error_makes_no_second_run(mlflow_server, configs, tm
     from evaldag.request.plan import load_plan
     from evaldag.tracking import client as tracking_client
     from evaldag.tracking.names import JOBS_EXPERIMENT, experiment_name
-    from evaldag.tracking.write import ensure_experiment, parent_run, track
+    from evaldag.tracking.parent_runs import ensure_experiment, parent_run
+    from evaldag.tracking.write import track
 
     monkeypatch.setattr(run_claims, "ALIVE_BACKOFF_S", 0.01, raising=False)
     client = MlflowClient()

@@ -266,7 +266,7 @@ def test_compare_cli_prints_verdicts(mlflow_store, monkeypatch):
     from evaldag.cli import app
     from evaldag.tracking import samples as tracking_samples
     from evaldag.tracking.names import experiment_name
-    from evaldag.tracking.write import ensure_experiment
+    from evaldag.tracking.parent_runs import ensure_experiment
 
     client = MlflowClient()
     exp_id = ensure_experiment(client, experiment_name("math500"))
@@ -294,7 +294,7 @@ def test_log_verdicts_writes_tags_and_metrics(mlflow_store):
     from mlflow import MlflowClient
 
     from evaldag.tracking.names import experiment_name
-    from evaldag.tracking.write import ensure_experiment
+    from evaldag.tracking.parent_runs import ensure_experiment
 
     client = MlflowClient()
     exp_id = ensure_experiment(client, experiment_name("math500"))

@@ -184,39 +184,19 @@ class VLLMEngine(EngineBase):
 
         engine = self.llm.llm_engine
         ids = self._prompt_ids([r.prompt for r in requests]) if requests else []
-        waiting: dict[str, int] = {}            # vLLM request id -> index into requests
-        queued = collections.deque(range(len(requests)))
-        window = len(requests) if max_in_flight is None else max(1, max_in_flight)
-        dropped: Collection = ()
 
-        def add(i: int) -> None:
+        def add(i: int) -> str:
             params = self._sampling_params(sampling, requests[i].seed, requests[i].n)
             params.output_kind = RequestOutputKind.FINAL_ONLY
             self._requests += 1
             rid = f"evaldag-{self._requests}"
             engine.add_request(rid, TokensPrompt(prompt_token_ids=ids[i]), params)
-            waiting[rid] = i
+            return rid
 
-        def top_up() -> None:
-            nonlocal dropped
-            now = withdrawn() if withdrawn is not None else ()
-            if now and now is not dropped:
-                dropped = now
-                gone = [rid for rid, i in waiting.items() if requests[i].key in dropped]
-                if gone:
-                    engine.abort_request(gone)
-                    for rid in gone:
-                        del waiting[rid]
-                kept = [i for i in queued if requests[i].key not in dropped]
-                queued.clear()
-                queued.extend(kept)
-            # a held request waits on others still running; with none running nothing could release it
-            while queued and len(waiting) < window and (not waiting or hold is None
-                                                         or not hold(queued[0])):
-                add(queued.popleft())
-
+        feed = _Feed(engine, requests, add, max_in_flight, hold, withdrawn)
+        waiting = feed.waiting
         try:
-            top_up()
+            feed.top_up()
             submitted = time.perf_counter()
             started: dict[str, float] = {}      # request id -> start of the step that gave its first token
             last_report = submitted
@@ -236,7 +216,7 @@ class VLLMEngine(EngineBase):
                     last_report = time.perf_counter()
                     counts, held = _running_counts(engine)
                     yield Running(None if counts is None else sum(counts), counts, held)
-                top_up()
+                feed.top_up()
             if waiting:
                 raise RuntimeError(f"vLLM stopped with {len(waiting)} requests unfinished")
         finally:
@@ -323,6 +303,40 @@ def _request_states(engine) -> list:
     RequestOutput per running request per step."""
     states = getattr(getattr(engine, "output_processor", None), "request_states", None)
     return list(states.values()) if isinstance(states, dict) else []
+
+
+class _Feed:
+    """The requests of one generate_requests call on their way into a vLLM engine: at most `max_in_flight` in it at
+    once, a request that `hold` says must wait kept back while others run, withdrawn ones aborted or never started.
+    `waiting` maps the engine's request ids to indices into `requests`, for those added and not yet finished."""
+
+    def __init__(self, engine, requests: list[Request], add: Callable[[int], str], max_in_flight: int | None,
+                 hold: Callable[[int], bool] | None, withdrawn: Callable[[], Collection] | None) -> None:
+        self.engine, self.requests, self.add = engine, requests, add
+        self.window = len(requests) if max_in_flight is None else max(1, max_in_flight)
+        self.hold, self.withdrawn = hold, withdrawn
+        self.waiting: dict[str, int] = {}
+        self.queued = collections.deque(range(len(requests)))
+        self.dropped: Collection = ()
+
+    def top_up(self) -> None:
+        """Drop what was withdrawn since the last call, then add queued requests while the window has room."""
+        now = self.withdrawn() if self.withdrawn is not None else ()
+        if now and now is not self.dropped:
+            self.dropped = now
+            gone = [rid for rid, i in self.waiting.items() if self.requests[i].key in now]
+            if gone:
+                self.engine.abort_request(gone)
+                for rid in gone:
+                    del self.waiting[rid]
+            kept = [i for i in self.queued if self.requests[i].key not in now]
+            self.queued.clear()
+            self.queued.extend(kept)
+        # a held request waits on others still running; with none running nothing could release it
+        while self.queued and len(self.waiting) < self.window and (not self.waiting or self.hold is None
+                                                                  or not self.hold(self.queued[0])):
+            i = self.queued.popleft()
+            self.waiting[self.add(i)] = i
 
 
 def _running_counts(engine) -> tuple[tuple[int, ...] | None, int | None]:

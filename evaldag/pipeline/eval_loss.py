@@ -18,13 +18,14 @@ from upath import UPath
 from evaldag.pipeline.loss_files import STAGE, loss_path, solutions, wanted
 from evaldag.pipeline.records import peak_rss_mb, record_stage
 from evaldag.request.plan import EvalPlan
+from evaldag.request.shard_plan import ShardPlan
 from evaldag.storage import store
 from evaldag.storage.schema import read_table, write_table
 
 log = logging.getLogger("evaldag")
 
 
-def loss_workload(plan: EvalPlan, shard: int):
+def loss_workload(shard: ShardPlan):
     """What scoring the shard's solutions asks of a self-sizing engine (vLLM): the longest prompt + solution, all
     problems at once, greedy (one token is generated per request and thrown away); None for other engines or when
     the plan asks for no eval_loss."""
@@ -32,11 +33,11 @@ def loss_workload(plan: EvalPlan, shard: int):
     from evaldag.engines.base import chat_text
     from evaldag.engines.workload import Workload
 
-    model = plan.resolved_model
+    plan, model = shard.plan, shard.plan.model
     # engines.workload is None for an engine that does not size itself (whatever the prompt)
     if not wanted(plan) or engines.workload(model, ["sized?"], plan.sampling) is None:
         return None
-    ids, prompts, texts = solutions(plan, shard)
+    ids, prompts, texts = solutions(plan, shard.index, shard.inputs)
     tok = engines.tokenizer_of(model)
     lengths = tok([chat_text(tok, p) for p in prompts], add_special_tokens=False)["input_ids"]
     sols = tok(texts, add_special_tokens=False)["input_ids"]
@@ -44,19 +45,20 @@ def loss_workload(plan: EvalPlan, shard: int):
                     sequences=len(ids), greedy=True)
 
 
-def eval_loss_shard(plan: EvalPlan, shard: int, engine=None) -> UPath | None:
+def eval_loss_shard(shard: ShardPlan, engine=None) -> UPath | None:
     """Score the shard's reference solutions (or find them scored) and return the loss file; None when the plan
     asks for no eval_loss. `engine`: the one already loaded for the shard; else it is taken from
     evaldag.engines.engine_for (the kept one in a shard flow)."""
     from evaldag.scoring.eval_loss import LOSS_SCHEMA, per_problem_losses, score_solutions, solutions_digest
 
+    plan = shard.plan
     if not wanted(plan):
         return None
-    ids, prompts, texts = solutions(plan, shard)
-    out = loss_path(plan, shard, solutions_digest(ids, texts))
+    ids, prompts, texts = solutions(plan, shard.index, shard.inputs)
+    out = loss_path(plan, shard.index, solutions_digest(ids, texts))
     with store.lock(out):
         if out.is_file():
-            record_stage(plan, shard, STAGE, computed=False)
+            record_stage(shard.cache_record, STAGE, computed=False)
             return out
         t0 = time.perf_counter()
         if engine is not None:
@@ -64,13 +66,13 @@ def eval_loss_shard(plan: EvalPlan, shard: int, engine=None) -> UPath | None:
         else:
             from evaldag.engines import engine_for
 
-            with engine_for(plan.resolved_model, loss_workload(plan, shard)) as got:
+            with engine_for(plan.model, loss_workload(shard)) as got:
                 logprobs = score_solutions(got.engine, prompts, texts)
         write_table(per_problem_losses(ids, logprobs), out, LOSS_SCHEMA)
         seconds = time.perf_counter() - t0
-        store.write_json(plan.stats_path(STAGE, shard), {"eval_loss_s": seconds, "peak_rss_mb": peak_rss_mb()})
-        log.info("shard %d: reference solutions of %d problems scored in %.1f s", shard, len(ids), seconds)
-    record_stage(plan, shard, STAGE, computed=True)
+        store.write_json(shard.stats[STAGE], {"eval_loss_s": seconds, "peak_rss_mb": peak_rss_mb()})
+        log.info("shard %d: reference solutions of %d problems scored in %.1f s", shard.index, len(ids), seconds)
+    record_stage(shard.cache_record, STAGE, computed=True)
     return out
 
 

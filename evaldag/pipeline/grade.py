@@ -27,7 +27,7 @@ def grade_shard(plan: EvalPlan, shard: int, workers: int = 2) -> UPath:
             if timed_out(out):
                 return _regrade_timeouts(plan, shard, out, workers)
             log.info("shard %d: grades already in %s, reusing them", shard, out)
-            record_stage(plan, shard, "grade", computed=False)
+            record_stage(plan.cache_record_path(shard), "grade", computed=False)
             return out
         return _grade(plan, shard, out, workers)
 
@@ -53,7 +53,7 @@ def _regrade_timeouts(plan: EvalPlan, shard: int, out: UPath, workers: int) -> U
     stats["regraded_timeouts"] = stats.get("regraded_timeouts", 0) + todo.height
     store.write_json(stats_path, stats)
     write_table(merged, out, GRADED_SCHEMA)
-    record_stage(plan, shard, "grade", computed=True)
+    record_stage(plan.cache_record_path(shard), "grade", computed=True)
     return out
 
 
@@ -114,5 +114,5 @@ def _grade(plan: EvalPlan, shard: int, out: UPath, workers: int) -> UPath:
                                                    "grouping_s": time.perf_counter() - t0 - grading_s,
                                                    "grouping_timeouts": grouping_timeouts})
     write_table(graded, out, GRADED_SCHEMA)
-    record_stage(plan, shard, "grade", computed=True)
+    record_stage(plan.cache_record_path(shard), "grade", computed=True)
     return out

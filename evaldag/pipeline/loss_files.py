@@ -3,6 +3,7 @@ stage itself and by evaldag.pipeline.records (whether a shard is done)."""
 
 from __future__ import annotations
 
+import polars as pl
 from upath import UPath
 
 from evaldag.request.plan import EvalPlan
@@ -22,14 +23,15 @@ def wanted(plan: EvalPlan) -> bool:
 _SOLUTIONS: dict[tuple[str, int], tuple[list[str], list[str], list[str]]] = {}
 
 
-def solutions(plan: EvalPlan, shard: int) -> tuple[list[str], list[str], list[str]]:
-    """(sample ids, prompts, reference texts) of the shard's problems, in the plan's order."""
+def solutions(plan: EvalPlan, shard: int, inputs: pl.DataFrame | None = None) -> tuple[list[str], list[str], list[str]]:
+    """(sample ids, prompts, reference texts) of the shard's problems, in the plan's order (`inputs`: the shard's
+    input rows where the caller has them, EvalPlan.shard_inputs)."""
     from evaldag.request.datasets import load_solutions
     from evaldag.scoring.eval_loss import reference_text
 
     key = (plan.eval_key, shard)
     if key not in _SOLUTIONS:
-        inputs = plan.shard_inputs(shard)
+        inputs = plan.shard_inputs(shard) if inputs is None else inputs
         ids, prompts = inputs["sample_id"].to_list(), inputs["prompt"].to_list()
         raw = load_solutions(plan.benchmark, ids)
         if len(_SOLUTIONS) > 256:           # a long-lived process (a worker) evaluates many plans

@@ -34,9 +34,9 @@ def peak_gpu_mb() -> float:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def record_stage(plan: EvalPlan, shard: int, stage: str, computed: bool) -> None:
-    """Record that the shard's `stage` was computed (or reused) in its stage record, for the cache hit rate."""
-    path = plan.cache_record_path(shard)
+def record_stage(path: UPath, stage: str, computed: bool) -> None:
+    """Record that a shard's `stage` was computed (or reused) in its stage record `path`
+    (EvalPlan.cache_record_path), for the cache hit rate."""
     record = store.read_json(path) if path.is_file() else {}
     record[stage] = "computed" if computed else "reused"
     store.write_json(path, record)
@@ -67,7 +67,7 @@ def shard_done(plan: EvalPlan, shard: int) -> UPath | None:
 def record_reused(plan: EvalPlan, shard: int) -> None:
     """Record every stage of a done shard (`shard_done`) as reused, for the evaluation's cache hit rate."""
     for stage in _shard_outputs(plan, shard):
-        record_stage(plan, shard, stage, computed=False)
+        record_stage(plan.cache_record_path(shard), stage, computed=False)
 
 
 def timed_out(graded: UPath) -> bool:

@@ -22,6 +22,7 @@ from evaldag.pipeline.chunks import missing_requests, tokens_of, written_samples
 from evaldag.pipeline.progress import ShardProgress
 from evaldag.pipeline.time_left import BASE_FRACTION, TimeLeft, without_finished
 from evaldag.request.plan import EvalPlan
+from evaldag.request.shard_plan import ShardPlan
 from evaldag.request.sharding import SAMPLE_ROUNDS, sample_pieces, splits_samples
 from evaldag.storage.schema import GENERATION_SCHEMA, write_table
 
@@ -66,29 +67,29 @@ def check_context(plan: EvalPlan, engine, prompts: list[str]) -> None:
     fit = measure(prompts) if measure is not None else None
     if fit is None:
         log.info("%s: the %s engine cannot measure the context window; prompt + max_new_tokens unchecked",
-                 plan.benchmark.name, plan.resolved_model.engine)
+                 plan.benchmark.name, plan.model.engine)
         return
     cap = plan.sampling.max_new_tokens
     if not fit.overflowing(cap):
         return
     everything = measure(plan.inputs()["prompt"].to_list())
-    check_fits(plan.benchmark.name, plan.resolved_model.engine, everything, cap)
+    check_fits(plan.benchmark.name, plan.model.engine, everything, cap)
     # reached only where the whole benchmark could not be measured (a server that stopped answering /tokenize)
-    raise overflow_error(f"{plan.benchmark.name} (this shard)", plan.resolved_model.engine, fit, cap)
+    raise overflow_error(f"{plan.benchmark.name} (this shard)", plan.model.engine, fit, cap)
 
 
 class ShardRun:
     """What both ways of generating a shard share: its rows, its progress (samples done, tokens generated) and the
     figures for its stats."""
 
-    def __init__(self, plan: EvalPlan, shard: int, engine, inputs: pl.DataFrame, chunks: UPath,
-                 progress: Progress | None) -> None:
-        self.plan, self.shard, self.engine, self.chunks, self._progress = plan, shard, engine, chunks, progress
-        self.records = inputs.to_dicts()
-        self.prompts = inputs["prompt"].to_list()
-        self.runs = plan.shard_runs(shard)     # (first sample index, samples) of each problem here
+    def __init__(self, shard: ShardPlan, engine, chunks: UPath, progress: Progress | None) -> None:
+        self.view, self.plan, self.shard = shard, shard.plan, shard.index
+        self.engine, self.chunks, self._progress = engine, chunks, progress
+        self.records = shard.inputs.to_dicts()
+        self.prompts = shard.prompts
+        self.runs = shard.runs          # (first sample index, samples) of each problem here
         self.done = 0                   # problems whose rows are generated (resumed ones included)
-        self.samples = sum(count for _, count in self.runs)
+        self.samples = shard.samples
         self.samples_done = 0           # samples whose rows are generated: what progress counts (a problem's samples
                                         # finish at several times)
         # Two token counts, both right: `tokens` is this attempt's (its rate, log lines and stats), progress adds
@@ -120,7 +121,7 @@ class ShardRun:
 
     def decision_rank(self) -> dict[str, int]:
         """Each problem's place in the evaluation's decision order (evaldag.decisions.decide), the same on every shard."""
-        return {sid: k for k, sid in enumerate(decide.decision_order(self.plan.sample_ids(), self.plan.sampling.seed))}
+        return {sid: k for k, sid in enumerate(decide.decision_order(self.view.evaluation_ids, self.plan.sampling.seed))}
 
     def start_forecast(self, completions: int) -> None:
         """Forecast the end of this many completions (evaldag.pipeline.time_left), with the step-time prior of the
@@ -140,7 +141,7 @@ class ShardRun:
                                       self.not_started()) if self.time_left is not None else None
         self._progress(ShardProgress(self.samples_done, self.samples, self._reported_tokens,
                                      est.tokens_per_s if est else None, est.tokens_left if est else None,
-                                     est.seconds_left if est else None, self.plan.progress_unit))
+                                     est.seconds_left if est else None, self.view.unit))
 
     def not_started(self) -> int | None:
         """Sequences not handed to the engine yet, where known (None: every unfinished one that is not running)."""
@@ -219,7 +220,7 @@ class PerBatch(ShardRun):
         """Generate the batches `todo`, each written as it completes; returns those not generated because the
         parent stopped the evaluation meanwhile (none when it did not)."""
         left = len(todo)
-        sampling = self.plan.shard_sampling(self.shard)      # a random stream of its own per shard
+        sampling = self.view.sampling      # a random stream of its own per shard
         # closing(): a failure between batches must also withdraw the requests still in the engine, which stays
         # loaded for the retry (engines.keep_loaded)
         with contextlib.closing(self.engine.generate_batches(todo, sampling)) as stream:
@@ -255,7 +256,7 @@ class PerRequest(ShardRun):
         written, self.resumed_tokens = written_samples(self.chunks)
         # a request per sample where the engine seeds them alone: dealt round by round, or, for an evaluation that
         # may stop early, in its decision order (its verdict hears each sample as it ends)
-        per_sample = splits_samples(self.plan.resolved_model.engine, self.plan.sampling.n)
+        per_sample = splits_samples(self.plan.model.engine, self.plan.sampling.n)
         deciding = self.plan.request.decide is not None
         # the requests (problem, first sample, samples, round), keyed by their place here: for a fresh shard with
         # one request per problem, request k is problem k
@@ -364,7 +365,7 @@ class PerRequest(ShardRun):
         """The engine options of an evaluation that may stop early (evaldag.decisions.decide): `window` requests in
         flight, held back by the round gate, and withdrawn once the parent stops it."""
         self._position = {r.key: k for k, r in enumerate(requests)}
-        _, _, rounds = self.plan.decide_settings
+        _, _, rounds = self.view.decide
         places = [rank[self.records[self.pieces[r.key][0]]["sample_id"]] for r in requests]
         self._gate = decide.RoundGate(decide.round_of(places, len(rank), rounds), rounds)
         return {"max_in_flight": window, "hold": self._gate.hold, "withdrawn": lambda: self._withdrawn}

@@ -149,19 +149,9 @@ class EvalPlan(BaseModel):
     eval_loss: bool = False           # the shards score the reference solutions (evaldag.pipeline.eval_loss)
     _inputs: pl.DataFrame | None = PrivateAttr(default=None)
 
-    @property
-    def resolved_model(self) -> ResolvedModel:
-        """The model under evaluation (the `model` field; kept for callers that read it under this name)."""
-        return self.model
-
     def path(self, name: str) -> UPath:
         """A file of this evaluation's folder in the result store."""
         return store.as_path(self.result_dir) / name
-
-    @property
-    def resolved_reference(self) -> ResolvedModel | None:
-        """The reference model of KL estimates (the `reference` field), or None."""
-        return self.reference
 
     def _stage(self, name: str, shard: int, ext: str = "parquet") -> UPath:
         return store.as_path(self.stage_dir) / f"{name}-{shard:04d}-of-{self.num_shards:04d}.{ext}"
@@ -173,8 +163,7 @@ class EvalPlan(BaseModel):
         return self._stage(f"graded-{self.grade_key[:12]}", shard)
 
     def logprobs_path(self, shard: int) -> UPath:
-        ref = self.resolved_reference
-        return self._stage(f"logprobs2-{ref.fingerprint[:12]}", shard)   # 2: with the exact KL column
+        return self._stage(f"logprobs2-{self.reference.fingerprint[:12]}", shard)   # 2: with the exact KL column
 
     def stats_path(self, stage: str, shard: int) -> UPath:
         """Figures of one stage of one shard (wall time, tokens, memory), kept beside its output."""

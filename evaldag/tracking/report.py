@@ -28,7 +28,7 @@ def summary_markdown(plan: EvalPlan, metrics: dict, mlflow_url: str | None,
     m = metrics
     n = plan.sampling.n
     lines = [
-        f"# {plan.resolved_model.name} on {plan.benchmark.name} (run {plan.train_run}, step {plan.request.step})",
+        f"# {plan.model.name} on {plan.benchmark.name} (run {plan.train_run}, step {plan.request.step})",
         "",
         f"**accuracy {m['accuracy']:.2%}** over {int(m['n_samples'])} samples of {int(m['n_problems'])} problems",
         "",

@@ -311,7 +311,7 @@ def test_generate_and_grade_a_shard_through_the_server(server, tmp_path, monkeyp
     request = EvalRequest(benchmark="gsm8k", checkpoint="smollm2-served", limit=4, num_shards=1,
                           sampling={"max_new_tokens": 48})
     plan = resolve(request, results_root=tmp_path / "results")
-    model = plan.resolved_model
+    model = plan.model
     assert model.engine == "openai" and model.path == f"{SERVED} @ {server}"
     entry = httpx.get(f"{server}/models").json()["data"][0]
     assert model.fingerprint == server_fingerprint(ServerSettings(base_url=server, model=SERVED), entry, "r1")

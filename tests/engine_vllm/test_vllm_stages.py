@@ -42,7 +42,7 @@ def test_stages_with_vllm_leave_no_process(tmp_path, monkeypatch):
 
     plan = resolve(EvalRequest(benchmark="gsm8k", limit=4, num_shards=1, sampling={"max_new_tokens": 32},
                                engine="vllm"), tmp_path / "results")
-    assert plan.resolved_model.engine == "vllm"
+    assert plan.model.engine == "vllm"
     me = psutil.Process()
     # The first engine of a process starts threads that stay for its life (torch's pools, tqdm's monitor: measured
     # 5 threads before, 21 after the first engine and after every later one); a leak is what each further engine
