@@ -42,12 +42,12 @@ grading_timeout_s: 10
 """
 
 
-def write_benchmark(root: Path, problems: int) -> dict[str, str]:
-    """The arith benchmark (config beside copies of the project's configs, data from a seeded generator); returns
-    the environment that points evaldag at them."""
+def write_benchmark(root: Path, problems: int, shards: int | None = None) -> dict[str, str]:
+    """The arith benchmark (config beside copies of the project's configs, data from a seeded generator; `shards`:
+    its shard count, else the default); returns the environment that points evaldag at them."""
     configs, data = root / "configs", root / "data" / "arith"
     shutil.copytree(REPO / "configs", configs, dirs_exist_ok=True)
-    (configs / "benchmarks" / "arith.yaml").write_text(ARITH)
+    (configs / "benchmarks" / "arith.yaml").write_text(ARITH + (f"num_shards: {shards}\n" if shards else ""))
     data.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     with open(data / "test.jsonl", "w") as f:
@@ -78,19 +78,19 @@ def write_checkpoints(root: Path) -> list[Path]:
     return paths
 
 
-def wait_for_run(step: int, timeout_s: float = 900) -> dict:
-    """The MLflow run of the job's evaluation at `step`, once finished: its decide tags and metrics."""
+def wait_for_run(step: int, job: str = JOB, timeout_s: float = 900) -> dict:
+    """The MLflow run of `job`'s evaluation at `step`, once finished: its decide tags and metrics."""
     from mlflow import MlflowClient
 
     client, deadline = MlflowClient(), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         exp = client.get_experiment_by_name("evaldag-arith")
         runs = [] if exp is None else client.search_runs([exp.experiment_id], filter_string=(
-            f"tags.train_run = '{JOB}' and tags.step = '{step:012d}' and attributes.status = 'FINISHED'"))
+            f"tags.train_run = '{job}' and tags.step = '{step:012d}' and attributes.status = 'FINISHED'"))
         if runs:
             return {"tags": runs[0].data.tags, "metrics": runs[0].data.metrics}
         time.sleep(2)
-    raise TimeoutError(f"no finished evaluation of {JOB}@{step} after {timeout_s:.0f} s; see the Prefect UI")
+    raise TimeoutError(f"no finished evaluation of {job}@{step} after {timeout_s:.0f} s; see the Prefect UI")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,12 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--problems", type=int, default=300)
     p.add_argument("--margin", type=float, default=0.05, help="equivalence margin of the verdict")
     p.add_argument("--keep", action="store_true", help="leave the stack running (its UIs) at the end")
+    p.add_argument("--shards", type=int, default=None, help="the benchmark's shard count (default: evaldag's)")
+    p.add_argument("--full", action="store_true", help="then evaluate the noised checkpoint in full, without "
+                   "decide, and print the tokens its decided evaluation generated against the full one's")
     args = p.parse_args(argv)
     from evaldag import paths
 
     root = Path(tempfile.mkdtemp(prefix="evaldag-decide-demo-"))
     # the exported default model stays where it is; the parent reads the shards' rows every 2 s (production: 10 s)
-    env = {**os.environ, **write_benchmark(root, args.problems), "EVALDAG_HOME": str(root / "home"),
+    env = {**os.environ, **write_benchmark(root, args.problems, args.shards), "EVALDAG_HOME": str(root / "home"),
            "EVALDAG_MODELS_DIR": str(paths.models_dir()), "EVALDAG_DECIDE_POLL_S": "2",
            "EVALDAG_PREFECT_PORT": "4300", "EVALDAG_MLFLOW_PORT": "5100",
            "EVALDAG_CHECKPOINT_ROOTS": str(root / "checkpoints")}
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from evaldag.client import CheckpointNotifier
 
     notifier = CheckpointNotifier(JOB, benchmarks=["arith"], decide={"margin": args.margin})
+    decided = None
     try:
         for step, path in enumerate(checkpoints):
             started = time.monotonic()
@@ -128,6 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"tokens generated {int(metrics.get('decide.tokens_generated', 0))}, "
                   f"reused {int(metrics.get('decide.tokens_reused', 0))}, "
                   f"saved about {int(metrics.get('decide.tokens_saved_est', 0))}", flush=True)
+            decided = metrics.get("decide.tokens_generated") if step == 1 else decided
+        if args.full:       # another job: the same weights, every problem, no decide
+            CheckpointNotifier(f"{JOB}-full", benchmarks=["arith"]).notify(checkpoints[1], 1)
+            metrics = wait_for_run(1, f"{JOB}-full")["metrics"]
+            full = metrics["mean_completion_tokens"] * metrics["n_samples"]
+            print(f"{JOB}@1 in full: {int(full)} tokens over {int(metrics['n_samples'])} problems; the decided "
+                  f"evaluation generated {int(decided or 0)}, {(decided or 0) / full:.2f} of them", flush=True)
     finally:
         if not args.keep:
             subprocess.run([BIN / "evaldag", "down"], env=env, check=False)
