@@ -5,13 +5,15 @@ through the stack is tests/test_decide_e2e.py."""
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import numpy as np
+from scipy import stats
 import polars as pl
 import pytest
 
-from evaldag.decisions import best as best_of_job, decide, verdicts
+from evaldag.decisions import best as best_of_job, decide, pacing, verdicts
 from evaldag.pipeline import generate
 from evaldag.storage import store
 from evaldag.decisions.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
@@ -168,41 +170,43 @@ def test_the_parent_decides_without_waiting_for_the_longest_answers_and_reduces_
         graded_calls.append(rows["sample_id"].to_list())
         return grade_rows(plan, rows)
 
-    # the premises, from the confidence sequence on complete data: all wrong, undecided on 9 problems, decided
-    # on 10; and decided on 12 even if problem 3 were right every time, not on 10
-    first_decided = next(t for t in range(1, 31) if sequential_verdict(-np.ones(t), 0.05, 0.02).verdict != "undecided")
-    assert first_decided == 10
+    # the premises, from the round ends' intervals on complete data: all wrong, undecided on 4 problems, decided on
+    # 6; and decided on 8 even if problem 3 were right every time, not on 6
+    looks = tuple(range(2, 31, 2))
+    first_decided = next(t for t in looks if sequential_verdict(-np.ones(t), looks, 0.05, 0.02).verdict != "undecided")
+    assert first_decided == 6
     best_case = lambda t: np.where(np.arange(t) == 3, 0.0, -1.0)          # noqa: E731
-    assert sequential_verdict(best_case(10), 0.05, 0.02).verdict == "undecided"
-    assert sequential_verdict(best_case(12), 0.05, 0.02).verdict == "worse"
+    assert sequential_verdict(best_case(6), looks, 0.05, 0.02).verdict == "undecided"
+    assert sequential_verdict(best_case(8), looks, 0.05, 0.02).verdict == "worse"
 
     decider = Decider(plan, incumbent, "job@1", grade)
-    write_table(_rows(plan, order[:3] + order[4:9], wrong), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    assert decider.looks == looks
+    write_table(_rows(plan, order[:3] + order[4:6], wrong), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
     assert decider.poll() is None and decider.stopped_at is None and not stop_requested(plan)
-    # everything up to 14 but problem 3, whose answers still run: the round ending at 12 decides anyway
-    write_table(_rows(plan, order[9:14], wrong), chunks / "requests-000002.parquet", GENERATION_SCHEMA)
+    # everything up to 10 but problem 3, whose answers still run: the round ending at 8 decides anyway
+    write_table(_rows(plan, order[6:10], wrong), chunks / "requests-000002.parquet", GENERATION_SCHEMA)
     assert decider.poll() is None
-    assert decider.stopped_at == 12 and json.loads(stop_path(plan).read_text())["problems"] == 12
+    assert decider.stopped_at == 8 and json.loads(stop_path(plan).read_text())["problems"] == 8
     assert Decision.load(plan) is None                          # not final before problem 3 is in
     write_table(_rows(plan, order[3:4], wrong), chunks / "requests-000003.parquet", GENERATION_SCHEMA)
     decision = decider.poll()
     assert decision is not None and decision.stopped and decision.verdict == "worse"
-    assert decision.problems == 12 and decision.prefix == order[:12] and decision.pairs == 12
+    assert decision.problems == 8 and decision.prefix == order[:8] and decision.pairs == 8
     assert decision.diff == -1.0 and decision.ci_high < 0
-    assert sorted(sum(graded_calls, [])) == sorted(order[:14] * n)       # each sample graded once
-    assert decision.tokens_generated == 14 * n * 10 and decision.tokens_full_est == 30 * n * 10
+    assert sorted(sum(graded_calls, [])) == sorted(order[:10] * n)       # each sample graded once
+    assert decision.tokens_generated == 10 * n * 10 and decision.tokens_full_est == 30 * n * 10
     assert Decision.load(plan) == decision
     metrics = reduce_results(plan, [str(decide.graded_prefix_path(plan))], decision.prefix)
-    assert metrics["n_samples"] == 12 * n and metrics["accuracy"] == 0.0
-    assert json.loads(plan.path("metrics.json").read_text())["n_samples"] == 12 * n
-    assert decision.metrics()["decide.tokens_saved_est"] == 16 * n * 10
-    assert "worse after 12 of 30 problems" in decision.describe()
+    assert metrics["n_samples"] == 8 * n and metrics["accuracy"] == 0.0
+    assert json.loads(plan.path("metrics.json").read_text())["n_samples"] == 8 * n
+    assert decision.metrics()["decide.tokens_saved_est"] == 20 * n * 10
+    assert "worse after 8 of 30 problems" in decision.describe()
 
     # a decider of a retry, when these rows exist: it keeps the stop's prefix and reuses the rows
     reused = Decider(plan, incumbent, "job@1", grade)
-    assert reused.stopped_at == 12
+    assert reused.stopped_at == 8
     again = reused.poll()
-    assert (again.problems, again.tokens_generated, again.tokens_reused) == (12, 0, 14 * n * 10)
+    assert (again.problems, again.tokens_generated, again.tokens_reused) == (8, 0, 10 * n * 10)
 
 
 def test_an_undecided_evaluation_runs_to_the_end(setup):
@@ -402,49 +406,46 @@ def test_the_parent_waits_for_its_shards_without_an_alarm_signal(monkeypatch):
     assert armed == [], f"the wait armed a timer: {armed}"
 
 
-def test_the_confidence_sequence_over_ranges_contains_every_exact_one_and_equals_it_without_ranges():
-    """The sequence the parent reads while answers still run (each unfinished problem a range of differences)
-    contains the one of the exact differences, whatever they turn out to be: drawn at random inside the ranges
-    and at their ends, every exact interval lies inside; with no ranges it is the exact one."""
-    from evaldag.decisions.sequential import confidence_sequence
-
-    rng = np.random.default_rng(5)
-    exact = (rng.binomial(4, 0.45, 300) - rng.binomial(4, 0.55, 300)) / 4
-    width = np.where(rng.random(300) < 0.08, rng.integers(1, 4, 300) / 4, 0.0)
-    low_d = np.maximum(-1.0, exact - width * rng.random(300).round(2))
-    high_d = np.minimum(1.0, low_d + width)
-    low, high = confidence_sequence(low_d, d_high=high_d)
-    for draw in [low_d, high_d] + [low_d + (high_d - low_d) * rng.integers(0, 5, 300) / 4 for _ in range(8)]:
-        lo, hi = confidence_sequence(draw)
-        assert np.all(low <= lo + 1e-12) and np.all(high >= hi - 1e-12)
-    lo, hi = confidence_sequence(exact)
-    same_low, same_high = confidence_sequence(exact, d_high=exact)
-    assert np.array_equal(lo, same_low) and np.array_equal(hi, same_high)
-    with pytest.raises(ValueError, match="d_high"):
-        confidence_sequence(high_d, d_high=low_d - 0.5)
-
-
 def test_the_round_gate_holds_work_past_the_next_round_until_the_open_one_is_nearly_done():
     """Requests of rounds 0, 1, 2 (4 each): round 2 waits while round 0 has over 5 % of its requests unfinished,
     not once it is done; past the gated half of the rounds nothing waits; lifted, nothing waits."""
-    gate = decide.RoundGate([0] * 4 + [1] * 4 + [2] * 4, rounds=6)
+    gate = pacing.RoundGate([0] * 4 + [1] * 4 + [2] * 4, rounds=6)
     assert not gate.hold(4) and gate.hold(8)
     for k in range(3):
         gate.finished(k)
     assert gate.hold(8)                    # 1 of 4 left: 25 % > 5 %
     gate.finished(3)
     assert not gate.hold(8)
-    late = decide.RoundGate([0] * 4 + [5] * 4, rounds=6)    # round 5 is past the gated half (rounds 0-2)
+    late = pacing.RoundGate([0] * 4 + [5] * 4, rounds=6)    # round 5 is past the gated half (rounds 0-2)
     assert late.hold(4)                    # the open round 0 is gated: everything past round 1 waits
     late.lift()
     assert not late.hold(4)
 
 
 def test_the_gate_is_dropped_only_when_no_verdict_is_in_sight():
-    """A clear difference keeps the gate (a verdict is in sight by the gated rounds); none at all drops it."""
+    """The chance that the last gated look (250 problems) decides, predicted from 100 problems, by hand: a clear
+    difference keeps the gate, none at all drops it; nothing read yet keeps it."""
+    z = 2.5552                                      # Pocock's boundary for 10 looks
     rng = np.random.default_rng(1)
-    clear = -np.abs(rng.binomial(4, 0.5, 60) / 4) * 0.8
-    assert decide.worth_gating(clear, 250, 0.05, 0.03)
-    none = np.tile([0.5, -0.5, 0.25, -0.25, 0.0, 0.0], 10)       # mean 0, spread too wide to call equivalent
-    assert not decide.worth_gating(none, 250, 0.05, 0.03)
-    assert decide.worth_gating(np.array([]), 250, 0.05, 0.03)
+    clear = np.clip(rng.normal(-0.08, 0.25, 100).round(2), -1, 1)
+    none = np.tile([0.5, -0.5, 0.25, -0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 10)    # mean 0, sd 0.3
+    for d, kept in ((clear, True), (none, False)):
+        s = math.sqrt((((d - d.mean()) ** 2).sum() + 1) / 100)
+        half = stats.t.isf(stats.norm.sf(z), 249) * s / math.sqrt(250)
+        spread = s * math.sqrt(1 / 100 - 1 / 250)
+        chance = stats.norm.sf((half - d.mean()) / spread) + stats.norm.cdf((-half - d.mean()) / spread)
+        assert (chance >= pacing.GATE_CHANCE) == kept, (chance, kept)
+        assert pacing.worth_gating(d, 250, 0.05, 0.03, z) == kept
+    assert pacing.worth_gating(np.array([]), 250, 0.05, 0.03, z)
+
+
+def test_the_pace_is_read_on_a_prefix_with_unfinished_samples_counted_wrong():
+    """worth_gating reads the longest look's prefix at most 5 % unknown (not the problems that happen to be
+    complete), each unfinished sample counted wrong."""
+    low = np.array([0.0, -0.25, 0.5, -0.5, 0.0, 0.0, -0.25, 0.0])
+    high = low + np.array([0, 0, 0, 0.25, 0, 0, 0.5, 0.5])      # 0.25 unknown by 4 problems, 1.25 by 8
+    assert pacing.pace_sample(low, high, [2, 4, 8]).tolist() == [0.0, -0.25]
+    assert pacing.pace_sample(low, high + [0, 0, 0, 0, 0, 0, -0.5, -0.5], [2, 4, 8]).tolist() == low.tolist()
+    late = low + np.array([0, 0, 0, 0, 0, 0, 0, 0.5])          # nothing unknown by 4, 0.5 > 0.4 by 8
+    assert pacing.pace_sample(low, late, [2, 4, 8]).tolist() == low[:4].tolist()
+    assert pacing.pace_sample(low, high, [4, 8]).size == 0

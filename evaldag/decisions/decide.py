@@ -6,10 +6,11 @@ the same on every shard), and every shard submits its requests in that order, fe
 problems finish roughly in it. The parent reads the rows the shards make durable (their chunks) and uses only the
 longest *prefix* of the order whose problems are all generated: finished problems are a biased sample (short answers
 finish first), a prefix of a random order is not. At the end of each round (`round_ends`: `rounds` equal steps of
-the problems) it reads the anytime-valid confidence sequence of the paired difference over that prefix
-(evaldag.decisions.sequential) and stops at the first round whose verdict is decided. Reading the verdict only at round ends
-makes a stopped evaluation reproducible: its metrics are those of exactly the first `problems` problems of the order,
-whenever the polls happened.
+the problems) it reads the repeated confidence interval of the paired difference over that prefix
+(evaldag.decisions.sequential: one boundary for all the round ends, planned before any result) and stops at the
+first round whose verdict is decided. Reading the verdict only at round ends is what keeps its error rate at alpha,
+and makes a stopped evaluation reproducible: its metrics are those of exactly the first `problems` problems of the
+order, whenever the polls happened.
 
 What is kept. The rows generated before the stop (the prefix and whatever else finished) stay in the shards' chunks,
 under the generation key, which `decide` is not part of: a later full evaluation of the same checkpoint resumes from
@@ -19,7 +20,6 @@ folder, whose eval_key holds the decide settings.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import math
@@ -33,7 +33,8 @@ from upath import UPath
 from evaldag.storage import store
 from evaldag.request.plan import EvalPlan
 from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
-from evaldag.decisions.sequential import confidence_sequence, sequential_verdict
+from evaldag.decisions.pacing import RoundGate, pace_sample, worth_gating
+from evaldag.decisions.sequential import look_interval, pocock_boundary, sequential_verdict
 from evaldag.decisions.verdicts import verdict_from_interval
 
 # Sequences (one request each) a shard keeps in its engine at once when the evaluation may stop early. Default: the
@@ -72,73 +73,6 @@ def in_flight(plan: EvalPlan, environ: dict | None = None) -> int | None:
     if value < 1:
         raise ValueError(f"{IN_FLIGHT_ENV} must be >= 1, got {value}")
     return value
-
-
-# The round gate (RoundGate): a shard hands out the requests of a round only while every round before the previous
-# one is done but for this share of its requests (their longest answers, which the verdict bounds instead of
-# waiting for), and only over the first GATED_SHARE of the rounds: a verdict there saves most, and an evaluation
-# still undecided after them runs at full speed.
-GATE_TOLERANCE, GATE_LOOKAHEAD, GATED_SHARE = 0.05, 1, 0.5
-# worth_gating counts a verdict in sight while the projected interval, this share of its width, would decide
-GATE_OPTIMISM = 0.5
-
-
-class RoundGate:
-    """Which of a shard's requests must wait for now, so that what it generates beyond the round being decided
-    stays small.
-
-    Everything a shard holds in its engine is generated in part, and before this gate a shard with its full batch
-    in flight had generated nearly everything by the time a prefix was complete (bench_decide: 0.99 of the tokens
-    on 8 slots, MATH-500-like at a 32k cap). `rounds_of[k]` is the round (index of the first round end past the
-    problem's place in the decision order) of the k-th request in submission order."""
-
-    def __init__(self, rounds_of: list[int], rounds: int, tolerance: float = GATE_TOLERANCE,
-                 lookahead: int = GATE_LOOKAHEAD, gated_share: float = GATED_SHARE) -> None:
-        self.rounds_of = rounds_of
-        self.gated = math.ceil(rounds * gated_share)
-        self.tolerance, self.lookahead = tolerance, lookahead
-        self.open: dict[int, int] = {}
-        for q in rounds_of:
-            self.open[q] = self.open.get(q, 0) + 1
-        self.size = dict(self.open)
-
-    def first_open(self) -> int:
-        """The first round more than `tolerance` of whose requests are unfinished (a large number when none)."""
-        return min((q for q, c in self.open.items() if c > self.tolerance * self.size[q]), default=1 << 30)
-
-    def hold(self, k: int) -> bool:
-        """Whether request k must wait for now."""
-        first = self.first_open()
-        return first < self.gated and self.rounds_of[k] > first + self.lookahead
-
-    def finished(self, k: int) -> None:
-        self.open[self.rounds_of[k]] -= 1
-
-    def lift(self) -> None:
-        """Hold nothing from now on (the parent sees no verdict in sight within the gated rounds)."""
-        self.gated = 0
-
-
-def worth_gating(d: np.ndarray, target: int, alpha: float, margin: float) -> bool:
-    """Whether a verdict by `target` paired problems is still in sight, from the paired differences `d` of the
-    complete prefix so far: the confidence sequence's interval now, narrowed by sqrt(t / target) as an interval
-    narrows with more problems, would decide there if its centre stayed where it is. While it would, the shards
-    keep the round gate (what they generate beyond the round being decided is waste if it decides); once it would
-    not, they drop it and run at full batch (the evaluation most likely runs on, and the gate would only slow it).
-    Scheduling only: the verdict and its error rate do not depend on it."""
-    t = int(np.asarray(d).size)
-    if t == 0 or t >= target:
-        return t == 0
-    v = sequential_verdict(d, alpha, margin)
-    centre = (v.ci_low + v.ci_high) / 2
-    half = (v.ci_high - v.ci_low) / 2 * math.sqrt(t / target) * GATE_OPTIMISM
-    return abs(centre) > half or abs(centre) + half < margin
-
-
-def round_of(ranks: list[int], n_problems: int, rounds: int) -> list[int]:
-    """The round of each decision-order place in `ranks` (0 for the problems before the first round end)."""
-    ends = round_ends(n_problems, rounds)
-    return [bisect.bisect_right(ends, r) for r in ranks]
 
 
 def poll_seconds(environ: dict | None = None) -> float:
@@ -280,7 +214,7 @@ class Decider:
 
     A verdict does not wait for the longest answers: every problem of a round is counted with the samples that
     finished, each unfinished one bounded by its extremes (right or wrong), and the round decides when the
-    confidence sequence over those ranges does (evaldag.decisions.sequential: it contains the one the complete
+    round's interval over those ranges does (evaldag.decisions.sequential: it contains the one the complete
     rows will give). Then the stop file names the round's prefix: the shards withdraw every other request and
     finish the prefix's own, and the decision is made final on the complete prefix (poll returns it)."""
 
@@ -291,6 +225,10 @@ class Decider:
         self.order = decision_order(plan.sample_ids(), plan.sampling.seed)
         self.ends = round_ends(len(self.order), rounds)
         self.incumbent = dict(zip(incumbent["sample_id"].to_list(), incumbent["score"].to_list()))
+        # the planned looks: paired problems at each round end, fixed before any result
+        at = np.cumsum([sid in self.incumbent for sid in self.order]) if self.order else np.zeros(0, dtype=int)
+        self._paired_at = {end: int(at[end - 1]) for end in self.ends}
+        self.looks = tuple(sorted({t for t in self._paired_at.values() if t > 0}))
         self._chunks: dict[str, pl.DataFrame] = {}      # chunk path -> rows (a chunk never changes once written)
         self._graded: list[pl.DataFrame] = []
         self._right: dict[str, int] = {}                 # correct samples so far, per problem
@@ -340,21 +278,27 @@ class Decider:
             length += 1
         return length
 
+    def _ranges(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each paired problem's difference, in the decision order, as a range: its unfinished samples all wrong,
+        all right (equal once every sample is in)."""
+        n = self.plan.sampling.n
+        paired = [sid for sid in self.order if sid in self.incumbent]
+        right = np.array([self._right.get(sid, 0) for sid in paired], dtype=np.float64)
+        unknown = np.array([n - self._known.get(sid, 0) for sid in paired], dtype=np.float64)
+        score = np.array([self.incumbent[sid] for sid in paired], dtype=np.float64)
+        return right / n - score, (right + unknown) / n - score
+
     def _decided_end(self) -> int | None:
         """The first round end (before the last) whose verdict is decided whatever the unfinished samples of its
         problems turn out to be, or None."""
-        n = self.plan.sampling.n
-        paired = [sid for sid in self.order[:self.ends[-2]] if sid in self.incumbent] if len(self.ends) > 1 else []
-        if not paired:
-            return None
-        right = np.array([self._right.get(sid, 0) for sid in paired], dtype=np.float64)
-        unknown = np.array([n - self._known.get(sid, 0) for sid in paired], dtype=np.float64)
-        score = np.array([self.incumbent[sid] for sid in paired])
-        low, high = confidence_sequence(right / n - score, self.alpha, d_high=(right + unknown) / n - score)
-        at = np.cumsum([sid in self.incumbent for sid in self.order])     # paired problems among the first k + 1
+        low_d, high_d = self._ranges()
+        z = pocock_boundary(self.looks, self.alpha)
         for end in self.ends[:-1]:
-            t = int(at[end - 1])
-            if t and verdict_from_interval(float(low[t - 1]), float(high[t - 1]), self.margin) != "undecided":
+            t = self._paired_at[end]
+            if not t:
+                continue
+            low, high = look_interval(low_d[:t], z, d_high=high_d[:t])
+            if verdict_from_interval(float(low[0]), float(high[0]), self.margin) != "undecided":
                 return end
         return None
 
@@ -362,18 +306,14 @@ class Decider:
         """Tell the shards to drop the round gate once no verdict is in sight within the gated rounds."""
         if self._ungated:
             return
-        # every problem complete so far, not only the prefix: finished problems lean to short answers, which
-        # would bias a verdict but only shifts when the gate is lifted
-        n = self.plan.sampling.n
-        complete = [sid for sid, known in self._known.items() if known >= n and sid in self.incumbent]
-        d = np.array([self._right[sid] / n - self.incumbent[sid] for sid in complete])
-        if d.size < self.ends[0]:
-            return          # not a round's worth yet
+        d = pace_sample(*self._ranges(), list(self.looks))
+        if not d.size:
+            return          # no round's worth yet
         gated_end = self.ends[min(len(self.ends), RoundGate([], len(self.ends)).gated) - 1]
-        target = sum(sid in self.incumbent for sid in self.order[:gated_end])
-        if not worth_gating(d, target, self.alpha, self.margin):
+        if not worth_gating(d, self._paired_at[gated_end], self.alpha, self.margin,
+                            pocock_boundary(self.looks, self.alpha)):
             self._ungated = True
-            store.write_text(ungated_path(self.plan), json.dumps({"complete_problems": len(complete)}))
+            store.write_text(ungated_path(self.plan), json.dumps({"read_problems": int(d.size)}))
 
     def poll(self) -> Decision | None:
         """Read and grade what is new. Once a round is decided, ask the shards to stop (the stop file); once that
@@ -398,7 +338,7 @@ class Decider:
         prefix = self.order[:end]
         n = self.plan.sampling.n
         d = np.array([self._right[sid] / n - self.incumbent[sid] for sid in prefix if sid in self.incumbent])
-        v = sequential_verdict(d, self.alpha, self.margin)
+        v = sequential_verdict(d, self.looks, self.alpha, self.margin)
         keys = ["sample_id", "sample_index", "shard_index"]
         rows = rows.unique(keys)
         generated = int(rows.join(self._reused, on=keys, how="anti")["completion_tokens"].sum() or 0)
@@ -430,5 +370,5 @@ class Decider:
 
 
 __all__ = ["Decider", "Decision", "decision_order", "graded_prefix_path", "in_flight", "poll_seconds",
-           "round_ends", "stop_path", "stop_requested", "stopped_prefix", "stopped_problems", "RoundGate", "round_of",
-           "ungated", "ungated_path", "worth_gating"]
+           "round_ends", "stop_path", "stop_requested", "stopped_prefix", "stopped_problems", "ungated",
+           "ungated_path"]

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import polars as pl
 from upath import UPath
 
-from evaldag.decisions import decide
+from evaldag.decisions import decide, pacing
 from evaldag.errors import ConfigError
 from evaldag.pipeline import faults
 from evaldag.pipeline.chunks import missing_requests, tokens_of, written_samples
@@ -287,7 +287,7 @@ class PerRequest(ShardRun):
         self._window = self._finished_here = 0
         self._pending_requests = 0
         self._pending_since = 0.0
-        self._gate: decide.RoundGate | None = None      # pacing of an evaluation that may stop early
+        self._gate: pacing.RoundGate | None = None      # pacing of an evaluation that may stop early
         self._position: dict[int, int] = {}
         self._withdrawn: frozenset | None = None
 
@@ -367,7 +367,7 @@ class PerRequest(ShardRun):
         self._position = {r.key: k for k, r in enumerate(requests)}
         _, _, rounds = self.view.decide
         places = [rank[self.records[self.pieces[r.key][0]]["sample_id"]] for r in requests]
-        self._gate = decide.RoundGate(decide.round_of(places, len(rank), rounds), rounds)
+        self._gate = pacing.RoundGate(pacing.round_of(places, decide.round_ends(len(rank), rounds)), rounds)
         return {"max_in_flight": window, "hold": self._gate.hold, "withdrawn": lambda: self._withdrawn}
 
     def _withdraw(self) -> None:

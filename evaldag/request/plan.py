@@ -91,7 +91,8 @@ class EvalRequest(BaseModel):
     # of the problems), not of the generation key: a later full evaluation reuses the rows generated before the stop.
     decide: Literal["vs_best"] | None = Field(None, description="stop generating as soon as the paired verdict "
                                                                 "against the job's best checkpoint so far is "
-                                                                "decided (an anytime-valid confidence sequence)")
+                                                                "decided (repeated confidence intervals, valid at "
+                                                                "every round end)")
     decide_alpha: float | None = Field(None, gt=0, lt=1, description="error rate of the sequential verdict "
                                                                      f"(default {DEFAULT_ALPHA})")
     decide_margin: float | None = Field(None, ge=0, lt=1, description="accuracy difference within which two "
