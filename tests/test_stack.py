@@ -103,10 +103,10 @@ def test_production_keeps_the_real_waits(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     s = StackSettings.from_env()
     assert (s.mlflow_timeout_s, s.heartbeat_s, s.stop_timeout_s, s.start_timeout_s) == (30, 30, 10, 180)
-    assert s.worker_query_seconds == 2
+    assert s.worker_query_seconds == 10
     assert s.missed_heartbeats == 3 and cluster.crash_automation(s.heartbeat_s).trigger.within.total_seconds() == 90
     env = Stack(s)._desired_specs("x")[GPU_WORKER].env
-    assert env["PREFECT_WORKER_QUERY_SECONDS"] == "2"
+    assert env["PREFECT_WORKER_QUERY_SECONDS"] == "10"
     assert (env["MLFLOW_HTTP_REQUEST_TIMEOUT"], env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]) == ("30", "2")
     assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == "30"
     monkeypatch.setenv("EVALDAG_MLFLOW_TIMEOUT_S", "12")
@@ -219,6 +219,61 @@ def test_workers_get_env_and_default_sigint(stack):
                            if line.startswith("SigIgn:")).split()[1], 16)
         assert not ignored & (1 << (signal.SIGINT - 1)), f"{name} ignores SIGINT"
     assert procs[MLFLOW_SERVER].environ()["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+
+
+WAKE_PROBE = """
+import asyncio, sys, time
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+
+async def main():
+    async with get_client() as client:
+        await client.create_work_pool(WorkPoolCreate(name="wake-probe", type="process"))
+        flow_id = await client.create_flow_from_name("wake-probe")
+        deployment = await client.create_deployment(flow_id=flow_id, name="probe", work_pool_name="wake-probe",
+                                                    entrypoint="nowhere.py:f")
+        print("ready", flush=True)
+        sys.stdin.readline()                      # the worker is up
+        t0 = time.monotonic()
+        run = await client.create_flow_run_from_deployment(deployment)
+        while time.monotonic() - t0 < 20:
+            state = (await client.read_flow_run(run.id)).state.type.value
+            if state != "SCHEDULED":
+                break
+            await asyncio.sleep(0.05)
+        print(state, round(time.monotonic() - t0, 2), flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.stack
+def test_a_worker_starts_a_run_when_it_is_scheduled_not_at_its_next_poll(stack, tmp_path):
+    """The stack's worker (evaldag.runtime.wake_worker) on a pool of its own, polling every 300 s: a run of that
+    pool leaves Scheduled within seconds, woken by the server's event (Prefect's own worker leaves it there until
+    its next poll); and it stops on the first SIGINT."""
+    env = {**os.environ, "PREFECT_API_URL": stack.settings.prefect_api_url, "PREFECT_HOME": str(tmp_path),
+           "PREFECT_WORKER_QUERY_SECONDS": "300"}
+    probe = subprocess.Popen([sys.executable, "-c", WAKE_PROBE], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        assert probe.stdout.readline().strip() == "ready"
+        worker = subprocess.Popen([sys.executable, "-m", "evaldag.runtime.wake_worker", "--pool", "wake-probe",
+                                   "--name", "wake-probe-0"], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)
+        time.sleep(6)                               # its first poll and sync are behind it
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        state, took = probe.stdout.readline().split()
+        assert state != "SCHEDULED" and float(took) < 5, (state, took)
+        worker.send_signal(signal.SIGINT)
+        out, _ = worker.communicate(timeout=20)
+        assert "Worker 'wake-probe-0' stopped!" in out and worker.returncode == 0
+    finally:
+        for p in (probe, worker):
+            if p is not None and p.poll() is None:
+                p.kill()
 
 
 @pytest.mark.stack

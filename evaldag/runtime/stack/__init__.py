@@ -31,8 +31,9 @@ lock). `Stack` here composes them and holds the public API: up, down, status, de
 Facts this relies on (docs/notes/prefect-mlflow.md 1.3, 1.5, 5.2):
 - a worker whose SIGINT is inherited as ignored never stops on SIGTERM, so children get SIGINT reset to default;
 - `mlflow server --workers 1` with MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false: 2 processes, ~0.5 GB, instead of 15;
-- the worker poll (PREFECT_WORKER_QUERY_SECONDS, default 10 s) dominates run latency, so the local stack uses 2 s
-  (each poll costs the server CPU: 1 s keeps an idle stack above 5 % of a core; docs/performance.md).
+- the worker poll (PREFECT_WORKER_QUERY_SECONDS, default 10 s) dominated run latency, and each poll costs the server
+  CPU (docs/performance.md): the workers are woken by the server's flow-run events instead (runtime.wake_worker)
+  and poll at Prefect's 10 s only for what the event stream misses.
 """
 
 from __future__ import annotations

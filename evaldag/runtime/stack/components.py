@@ -172,7 +172,8 @@ class Components:
     def _worker_spec(self, name: str, pool: str, limit: int, gpu: str | None, worker_env: dict[str, str],
                      passthrough: dict[str, str]) -> _Spec:
         s = self.settings
-        argv = [_cli("prefect"), "worker", "start", "--pool", pool, "--name", name, "--type", "process",
+        # Prefect's process worker, woken by the server's events when a run of its pool is scheduled
+        argv = [sys.executable, "-m", "evaldag.runtime.wake_worker", "--pool", pool, "--name", name,
                 "--limit", str(limit)]
         env = dict(worker_env)
         if gpu is not None:

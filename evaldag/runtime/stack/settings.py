@@ -65,10 +65,11 @@ class StackSettings(BaseModel):
         "None: nothing to pin (CPU box); workers inherit the caller's CUDA_VISIBLE_DEVICES.")
     cpu_worker_limit: int = Field(4, ge=1, description="Concurrent parent flow runs of the `cpu` worker.")
     worker_query_seconds: float = Field(
-        2, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS, EVALDAG_WORKER_QUERY_SECONDS); "
-                             "Prefect's default is 10. Each poll costs the Prefect server CPU: 2 s keeps an idle "
-                             "stack under 5 % of a core, where 1 s takes it past (docs/performance.md), for 0.5 s "
-                             "more wait per flow-run start on average. The tests' stack polls every second.")
+        10, gt=0, description="Worker poll interval (PREFECT_WORKER_QUERY_SECONDS, EVALDAG_WORKER_QUERY_SECONDS), "
+                              "Prefect's default. The workers start a flow run when the server's event says it is "
+                              "scheduled (evaldag.runtime.wake_worker), so the poll only covers what the event "
+                              "stream misses (a restarting server, a run scheduled for later); each poll costs the "
+                              "Prefect server CPU (docs/performance.md). The tests' stack polls every second.")
     mlflow_timeout_s: int = Field(
         30, ge=1, description="MLflow client request timeout of the workers' flow runs (MLFLOW_HTTP_REQUEST_TIMEOUT, "
                               "EVALDAG_MLFLOW_TIMEOUT_S; 2 retries each): a hung tracking server costs a track "
