@@ -31,9 +31,9 @@ def shard_flow(plan_path: str | list[str], shard_index: int) -> str | None | lis
     completion, then grading; returns the graded file's path (a list of them for a list of plans; None for a plan
     its parent stopped early, evaldag.decisions.decide).
 
-    Generation (the GPU work) holds tensor_parallel_size slots of the `evaldag-gpus` concurrency limit; grading is
-    CPU work and holds none, and runs after the engine is closed, so its memory is free again. Generations already
-    in the store are reused without waiting for a slot or loading the engine.
+    Generation (the GPU work) holds tensor_parallel_size slots of the `evaldag-gpus` concurrency limit until the
+    engine is closed; grading is CPU work in worker processes started before the engine loaded, and runs while the
+    engine shuts down. Generations already in the store are reused without waiting for a slot or loading the engine.
     """
     # a deployed shard set Crashed while it runs (a clock step, a partition) is relaunched by its parent, so this
     # process stops; an inline shard runs in its parent's process and resumes instead (evaldag.runtime.liveness)
@@ -60,6 +60,10 @@ def _shard_flow_body(plan_path: str | list[str], shard_index: int) -> str | None
     # engines close (keep_loaded ends) before the slots go back
     with hold_gpus(gpus) if gpus else contextlib.nullcontext(), keep_loaded(need):
         generated = [generate_task(path, shard_index) for path in paths]
-    # a plan stopped early (evaldag.decisions.decide) has nothing to grade here: its parent grades the decided prefix
-    graded = [grade_task(path, shard_index) if out is not None else None for path, out in zip(paths, generated)]
+        # grading needs no engine: it starts here, in a thread of the task runner, and runs beside the engine's
+        # shutdown (1.5 s of a small model on this CPU, more for a GPU's workers) instead of after it. A plan stopped
+        # early (evaldag.decisions.decide) has nothing to grade here: its parent grades the decided prefix.
+        grading = [grade_task.submit(path, shard_index) if out is not None else None
+                   for path, out in zip(paths, generated)]
+    graded = [future.result() if future is not None else None for future in grading]
     return graded[0] if isinstance(plan_path, str) else graded

@@ -5,7 +5,6 @@ or is being cancelled: a shard of a cancelled evaluation is never started again.
 
 from __future__ import annotations
 
-import time
 
 from prefect import get_run_logger, task
 from prefect.client.orchestration import get_client
@@ -16,6 +15,7 @@ from evaldag.decisions.decide import Decision, stop_requested
 from evaldag.runtime.deployments import SHARD_DEPLOYMENT
 from evaldag.errors import CheckpointError
 from evaldag.runtime.liveness import is_lost_run_crash, settled
+from evaldag.runtime.run_events import wait_until_final
 from evaldag.request.checkpoint import check_unchanged
 from evaldag.request.plan import EvalPlan, load_plan
 from evaldag.pipeline.progress import ROUND_TAG, round_label
@@ -119,9 +119,7 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
 
     preload()  # the parent logs to MLflow after its shards: its client loads while they run, not after
     with get_client(sync_client=True) as client:
-        while not (fr.state and fr.state.is_final()):
-            time.sleep(1)
-            fr = client.read_flow_run(fr.id)
+        fr = wait_until_final(client, fr.id)
         if is_lost_run_crash(fr.state):
             # the same window may have crashed this parent too: its retry can start no task until it is revived
             settled(lambda: client.read_flow_run(parent_run_id))

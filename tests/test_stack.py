@@ -568,3 +568,47 @@ def test_down_leaves_nothing(stack, tmp_path):
     assert stack.status() == []
     result = CliRunner().invoke(app, ["down"], env=_cli_env(stack))
     assert result.exit_code == 0 and "nothing running" in result.output
+
+
+@pytest.mark.stack
+def test_a_waiter_sees_a_run_end_when_it_ends_not_at_its_next_poll(stack):
+    """evaldag.runtime.run_events.wait_until_final (how `evaldag run` and the parent's launch-shard wait): with a
+    300 s poll, a run set Completed is seen within seconds, woken by the server's event; a run already final is
+    returned at once."""
+    import contextvars
+    import threading
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Completed, Running
+
+    from evaldag.runtime.run_events import wait_until_final
+
+    @flow(name="wait-probe")
+    def probe() -> None:
+        pass
+
+    with temporary_settings(updates={PREFECT_API_URL: stack.settings.prefect_api_url}), \
+            get_client(sync_client=True) as client:
+        run = client.create_flow_run(probe)
+        client.set_flow_run_state(run.id, Running(), force=True)
+        seen: dict = {}
+
+        def wait() -> None:
+            seen["run"] = wait_until_final(client, run.id, poll_s=300)
+            seen["at"] = time.monotonic()
+
+        # in this context: the stack's API URL is a context variable of temporary_settings
+        waiter = threading.Thread(target=contextvars.copy_context().run, args=(wait,), daemon=True)
+        waiter.start()
+        time.sleep(3)                                 # the waiter has read the run and follows its events
+        assert waiter.is_alive()
+        ended = time.monotonic()
+        client.set_flow_run_state(run.id, Completed(), force=True)
+        waiter.join(timeout=30)
+        assert not waiter.is_alive(), "the waiter slept through the run's end"
+        assert seen["run"].state.is_completed() and seen["at"] - ended < 5, seen["at"] - ended
+        t0 = time.monotonic()
+        assert wait_until_final(client, run.id, poll_s=300).state.is_completed()
+        assert time.monotonic() - t0 < 5

@@ -229,6 +229,8 @@ class Decider:
         at = np.cumsum([sid in self.incumbent for sid in self.order]) if self.order else np.zeros(0, dtype=int)
         self._paired_at = {end: int(at[end - 1]) for end in self.ends}
         self.looks = tuple(sorted({t for t in self._paired_at.values() if t > 0}))
+        # the boundary every look reads (none without a paired problem: no look then decides)
+        self.z = pocock_boundary(self.looks, alpha) if self.looks else math.inf
         self._chunks: dict[str, pl.DataFrame] = {}      # chunk path -> rows (a chunk never changes once written)
         self._graded: list[pl.DataFrame] = []
         self._right: dict[str, int] = {}                 # correct samples so far, per problem
@@ -288,30 +290,27 @@ class Decider:
         score = np.array([self.incumbent[sid] for sid in paired], dtype=np.float64)
         return right / n - score, (right + unknown) / n - score
 
-    def _decided_end(self) -> int | None:
+    def _decided_end(self, low_d: np.ndarray, high_d: np.ndarray) -> int | None:
         """The first round end (before the last) whose verdict is decided whatever the unfinished samples of its
-        problems turn out to be, or None."""
-        low_d, high_d = self._ranges()
-        z = pocock_boundary(self.looks, self.alpha)
+        problems turn out to be (their ranges `low_d`..`high_d`), or None."""
         for end in self.ends[:-1]:
             t = self._paired_at[end]
             if not t:
                 continue
-            low, high = look_interval(low_d[:t], z, d_high=high_d[:t])
+            low, high = look_interval(low_d[:t], self.z, d_high=high_d[:t])
             if verdict_from_interval(float(low[0]), float(high[0]), self.margin) != "undecided":
                 return end
         return None
 
-    def _pace(self) -> None:
+    def _pace(self, low_d: np.ndarray, high_d: np.ndarray) -> None:
         """Tell the shards to drop the round gate once no verdict is in sight within the gated rounds."""
         if self._ungated:
             return
-        d = pace_sample(*self._ranges(), list(self.looks))
+        d = pace_sample(low_d, high_d, list(self.looks))
         if not d.size:
             return          # no round's worth yet
         gated_end = self.ends[min(len(self.ends), RoundGate([], len(self.ends)).gated) - 1]
-        if not worth_gating(d, self._paired_at[gated_end], self.alpha, self.margin,
-                            pocock_boundary(self.looks, self.alpha)):
+        if not worth_gating(d, self._paired_at[gated_end], self.alpha, self.margin, self.z):
             self._ungated = True
             store.write_text(ungated_path(self.plan), json.dumps({"read_problems": int(d.size)}))
 
@@ -321,9 +320,10 @@ class Decider:
         rows = self._rows()
         self._grade_new(rows)
         if self.stopped_at is None:
-            end = self._decided_end()
+            ranges = self._ranges()
+            end = self._decided_end(*ranges)
             if end is None:
-                self._pace()
+                self._pace(*ranges)
                 return None
             self.stopped_at = end
             store.write_text(stop_path(self.plan), json.dumps({"problems": end}))

@@ -8,9 +8,9 @@ import bisect
 import math
 
 import numpy as np
-from scipy import stats
+from scipy.special import ndtr
 
-from evaldag.decisions.sequential import PSEUDO_SQUARE
+from evaldag.decisions.sequential import look_quantile, look_spread
 
 # The round gate (RoundGate): a shard hands out the requests of a round only while every round before the previous
 # one is done but for this share of its requests (their longest answers, which the verdict bounds instead of
@@ -69,13 +69,13 @@ def worth_gating(d: np.ndarray, target: int, alpha: float, margin: float, z: flo
     t = int(d.size)
     if t < 2 or t >= target:
         return t == 0
-    s = math.sqrt((float(((d - d.mean()) ** 2).sum()) + PSEUDO_SQUARE) / t)
-    half = float(stats.t.isf(stats.norm.sf(z), target - 1)) * s / math.sqrt(target)
+    s = look_spread(float(((d - d.mean()) ** 2).sum()), t)
+    half = look_quantile(z, target) * s / math.sqrt(target)
     spread = s * math.sqrt(1 / t - 1 / target)
     mean = float(d.mean())
-    chance = stats.norm.sf((half - mean) / spread) + stats.norm.cdf((-half - mean) / spread)       # better / worse
+    chance = ndtr((mean - half) / spread) + ndtr((-half - mean) / spread)                           # better / worse
     if half < margin:                                                                               # equivalent
-        chance += max(0.0, stats.norm.cdf((margin - half - mean) / spread) - stats.norm.cdf((half - margin - mean) / spread))
+        chance += max(0.0, ndtr((margin - half - mean) / spread) - ndtr((half - margin - mean) / spread))
     return chance >= GATE_CHANCE
 
 

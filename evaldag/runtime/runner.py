@@ -9,6 +9,7 @@ from evaldag.pipeline import progress
 
 from evaldag.runtime import liveness
 from evaldag.runtime.deployments import benchmark_deployments, eval_deployment
+from evaldag.runtime.run_events import state_changes
 from evaldag.errors import EvalDagError, StackError, redact_url
 from evaldag.runtime.stack import Stack
 
@@ -79,8 +80,10 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
     t0 = time.monotonic()
     try:
-        with get_client(sync_client=True) as client, progress.Display(console, name, every_s=progress_every_s()) as display:
+        with (get_client(sync_client=True) as client, state_changes(fr.id) as changed,
+              progress.Display(console, name, every_s=progress_every_s()) as display):
             while True:
+                changed.clear()
                 fr = client.read_flow_run(fr.id)
                 snap = progress.snapshot(client, fr.id)
                 display.update(fr.state.name if fr.state else "Pending", snap)
@@ -89,7 +92,7 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
                     fr = liveness.settled(lambda: client.read_flow_run(run_id))
                     if fr.state.is_final():
                         break
-                time.sleep(1)
+                changed.wait(1)       # the display's pace, or at once when the run changes state
     except KeyboardInterrupt:
         _interrupted(console, fr, url, ask=console.is_terminal)
         return

@@ -27,9 +27,6 @@ LOG = logging.getLogger("evaldag.wake_worker")
 # How long the wake waits before following the event stream again after it failed (a server restarting): the
 # worker's own poll covers the gap, so this only bounds how long runs start at the poll's pace
 RETRY_S = 2.0
-# Polls made for one event, spaced out, until the run it names is among those the worker got: the event can come a
-# moment before the run is visible to the poll's query
-WAKE_POLLS, WAKE_SPACING_S = 3, 0.3
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -58,7 +55,9 @@ async def wake_on_schedule(pool: str, poll: Callable[[], Awaitable[list]], retry
                 warned = False
                 async for event in events:
                     if wakes(event, pool):
-                        await _poll_for(event.resource.id.rsplit(".", 1)[-1], poll)
+                        # one poll: a run it misses (scheduled for later, or not visible yet) is the worker's own
+                        # poll's, as without the wake
+                        await poll()
         except Exception as exc:          # noqa: BLE001 - any failure of the stream: the poll covers, retry
             # said once per outage: a server restarting drops it for seconds, a proxy that blocks websockets for good
             (LOG.debug if warned else LOG.warning)(
@@ -66,14 +65,6 @@ async def wake_on_schedule(pool: str, poll: Callable[[], Awaitable[list]], retry
                 "(PREFECT_WORKER_QUERY_SECONDS) until it is back; trying again every %.0f s", exc, pool, retry_s)
             warned = True
         await anyio.sleep(retry_s)
-
-
-async def _poll_for(flow_run_id: str, poll: Callable[[], Awaitable[list]]) -> None:
-    for attempt in range(WAKE_POLLS):
-        started = await poll()
-        if any(str(run.id) == flow_run_id for run in started or []):
-            return
-        await anyio.sleep(WAKE_SPACING_S * (attempt + 1))
 
 
 async def serve(pool: str, name: str, limit: int | None) -> None:

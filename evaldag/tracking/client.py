@@ -31,10 +31,17 @@ def all_runs(client, experiment_ids: list[str], **search) -> list:
 
 
 def preload() -> None:
-    """Import the MLflow client now. It is imported where it is used, not with this module: 2-3 s of imports that
-    an evaluation flow would otherwise pay before its shards start; the flow calls this while they run instead."""
+    """Import what the track stage uses now: the MLflow client and matplotlib (the job's plots). Both are imported
+    where they are used, not with this module: 1-3 s of imports that an evaluation flow would otherwise pay before
+    its shards start, or after they end; the flow calls this while they run instead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
     import mlflow.entities  # noqa: F401
     import mlflow.tracking  # noqa: F401
+
+    import evaldag.decisions.forecast  # noqa: F401
 
 
 __all__ = ["PAGE", "all_runs", "mlflow_client", "preload"]
