@@ -17,6 +17,7 @@ model.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -31,16 +32,20 @@ def main() -> None:
     ap.add_argument("--benchmark", default="math500")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--record", type=Path, default=None,
+                    help="write every report's inputs (time, tokens, running counts, finished lengths) as JSON, "
+                         "for bench/replay_time_left.py to forecast again offline")
     args = ap.parse_args()
 
     from evaldag.pipeline import shard_runs
     from evaldag.pipeline.generate import generate_shard
-    from evaldag.pipeline.time_left import TimeLeft
+    from evaldag.pipeline.time_left import BASE_FRACTION, TimeLeft
     from evaldag.request.plan import EvalRequest, resolve
 
     # (time, tokens, seconds left, left / rate, tokens left)
     reports: list[tuple[float, int, float | None, float | None, int]] = []
     forecasts: list[TimeLeft] = []
+    inputs: list[dict] = []        # what each estimate call was given, for --record
 
     class Recording(TimeLeft):
         def __init__(self, *a, **k):
@@ -48,6 +53,9 @@ def main() -> None:
             forecasts.append(self)
 
         def estimate(self, tokens_so_far, running, not_started=None):
+            inputs.append({"t": time.monotonic(), "tokens": tokens_so_far, "finished": len(self.finished),
+                           "running": None if running is None else [int(g) for g in running],
+                           "not_started": not_started})
             est = super().estimate(tokens_so_far, running, not_started)
             rate = est.tokens_left / est.tokens_per_s if est.seconds_left is not None and est.tokens_per_s else None
             reports.append((time.monotonic(), tokens_so_far, est.seconds_left, rate, est.tokens_left))
@@ -61,6 +69,14 @@ def main() -> None:
         generate_shard(plan, 0, lambda p: None)
     end = reports[-1][0]
     total = reports[-1][1]
+    if args.record:
+        est = forecasts[-1]
+        args.record.write_text(json.dumps({
+            "benchmark": args.benchmark, "completions": est.completions, "cap": est.cap, "window_s": est.window_s,
+            "base_fraction": est.base_fraction, "min_span_s": est.min_span_s, "finished": est.finished,
+            "device": "cpu" if est.base_fraction == BASE_FRACTION["cpu"] else "cuda",
+            "reports": inputs}))
+        print(f"recorded {len(inputs)} reports in {args.record}")
     first_token = next(r[0] for r in reports if r[1] > 0)
     first_forecast = next(r[0] for r in reports if r[2] is not None)
     span = end - first_token

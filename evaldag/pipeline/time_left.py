@@ -21,8 +21,9 @@ a full step that does not grow with c, by device: a GPU's decode is bound by rea
 compute; `BASE_FRACTION`). The forecast then runs the rest of the shard on that engine a few times, each time with
 lengths drawn from the Kaplan-Meier estimate (running ones given their length so far), admitting the sequences not
 started as slots free up, and averages the end. Engines that do not report running sequences (static batches) get
-tokens left / the recent rate. bench/bench_time_left.py measures both against simulated runs; docs/performance.md
-gives the figures.
+tokens left / the recent rate, and so do CPU engines, whose rate barely depends on the running set (BASE_FRACTION).
+bench/bench_time_left.py measures both against simulated runs, bench/replay_time_left.py on recorded real ones;
+docs/performance.md gives the figures.
 
 Before any completion has finished the estimate is the pessimistic one (every completion runs to the cap).
 """
@@ -43,9 +44,12 @@ import numpy as np
 MIN_SPAN_S = 30.0
 # The share of a decode step at full concurrency that does not grow with the number of sequences, before the run
 # has shown it: a GPU reads the weights once per step whatever the batch (0.2: the stated H100 curve of
-# bench/bench_schedule.py), a CPU computes per sequence (0.02: bench_schedule's vllm-cpu curve; docs/performance.md
-# has what other boxes measured). Once the running set drains, the run's own measurements take over.
-BASE_FRACTION = {"cuda": 0.2, "cpu": 0.02}
+# bench/bench_schedule.py); once the running set drains, the run's own measurements take over. A CPU computes per
+# sequence (0.02 in bench_schedule's vllm-cpu curve), so its rate barely falls as the running set drains, and 0 here
+# means no step model at all: seconds left are tokens left / the recent rate. Fitted on real CPU runs the step model
+# only added error (+10 to +30 points; +35 to +55 % beside a low-priority CPU-bound neighbour, whose share of the
+# cores moves with the running set; docs/performance.md, bench/replay_time_left.py).
+BASE_FRACTION = {"cuda": 0.2, "cpu": 0.0}
 # How many seconds of measurement the prior weighs as: the fit follows the run's own rates once its running set has
 # drained for about this long.
 PRIOR_WEIGHT_S = 60.0
@@ -54,8 +58,10 @@ PRIOR_WEIGHT_S = 60.0
 # forecast runs in the shard's event loop, and a long queue averages its own lengths out).
 DRAWS = 8
 DRAW_BUDGET = 40_000
-# Finished completions needed before lengths past the longest one are extrapolated (Tail).
-TAIL_MIN_FINISHED = 20
+# Finished completions needed before lengths past the longest one are extrapolated (Tail): 8, not 20, since before
+# the fit every such completion runs to the cap, which put the tokens left +35 % at 20 % of a MATH-500 run (+28 %
+# with the fit from 8 on; two real runs replayed, bench/replay_time_left.py).
+TAIL_MIN_FINISHED = 8
 
 
 @dataclass(frozen=True)
@@ -308,7 +314,7 @@ class TimeLeft:
     `clock` is injectable for tests. The rate shown is taken over the last `window_s` seconds of reports (generation
     slows and speeds up as the running set changes); seconds left are given once `min_span_s` seconds of
     generation and one finished completion are behind. `base_fraction` is the step-time prior (BASE_FRACTION by
-    the engine's device)."""
+    the engine's device; 0: no step model, tokens left / the recent rate)."""
 
     def __init__(self, completions: int, cap: int, window_s: float = 300.0, min_span_s: float | None = None,
                  clock=time.monotonic, base_fraction: float = BASE_FRACTION["cuda"]) -> None:
@@ -368,7 +374,7 @@ class TimeLeft:
         elif not known:
             seconds = None
         else:
-            model = self.step_model() if reported else None
+            model = self.step_model() if reported and self.base_fraction > 0 else None
             seconds = (self.drain(model, running, not_started, survival) if model is not None and self._slots
                        else left / rate)
         return Estimate(tokens_left=round(left), tokens_per_s=rate, seconds_left=seconds)
