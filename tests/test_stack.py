@@ -531,46 +531,6 @@ def _flow_run_processes(stack_id: str) -> list[psutil.Process]:
 
 
 @pytest.mark.stack
-def test_down_leaves_nothing(stack, tmp_path):
-    """A flow run in flight (its own process group, not the worker's) is stopped too."""
-    s = stack.settings
-    state = stack._load_state()
-    (tmp_path / "sleepy.py").write_text(SLEEPY)
-    env = {**os.environ, "PREFECT_API_URL": s.prefect_api_url, "PREFECT_HOME": str(tmp_path / "prefect")}
-    subprocess.run([sys.executable, "-c", START_RUN, str(tmp_path)], env=env, check=True, timeout=120,
-                   capture_output=True)
-    runs = _flow_run_processes(state["stack_id"])
-    # the gpu worker (sleepy's pool) started the run, in a process group of the run's own but the worker's session
-    gpu_worker = psutil.Process(_pids(stack)[GPU_WORKER])
-    assert runs and {p.pid for p in runs} <= {c.pid for c in gpu_worker.children(recursive=True)}
-    for p in runs:
-        assert os.getpgid(p.pid) != os.getpgid(gpu_worker.pid) and os.getsid(p.pid) == os.getsid(gpu_worker.pid)
-
-    t0 = time.monotonic()
-    stopped = stack.down()
-    took = time.monotonic() - t0
-    assert stopped == [CPU_WORKER, GPU_WORKER, PREFECT_SERVER, MLFLOW_SERVER]
-    assert not stack.state_path.exists()
-    # Graceful: each worker obeyed the first SIGINT (the fixture started them with SIGINT ignored in the parent,
-    # which they would inherit and then ignore) instead of being killed after the grace period.
-    for name in (CPU_WORKER, GPU_WORKER):
-        assert f"Worker '{name}' stopped!" in (stack.logs_dir / f"{name}.log").read_text()
-    assert took < s.stop_timeout_s, f"down took {took:.1f} s"
-    assert _ours(stack.home, [s.prefect_port, s.mlflow_port]) == []
-    leftovers = []
-    for p in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if p.environ().get(STACK_ID_ENV) == state["stack_id"]:
-                leftovers.append(p)
-    # alive(), not is_running(): a run adopted by a PID 1 that never reaps (some CI containers) stays a zombie
-    assert leftovers == [] and not any(alive(p) for p in runs)
-    assert stack.down() == []
-    assert stack.status() == []
-    result = CliRunner().invoke(app, ["down"], env=_cli_env(stack))
-    assert result.exit_code == 0 and "nothing running" in result.output
-
-
-@pytest.mark.stack
 def test_a_waiter_sees_a_run_end_when_it_ends_not_at_its_next_poll(stack):
     """evaldag.runtime.run_events.wait_until_final (how `evaldag run` and the parent's launch-shard wait): with a
     300 s poll, a run set Completed is seen within seconds, woken by the server's event; a run already final is
@@ -612,3 +572,44 @@ def test_a_waiter_sees_a_run_end_when_it_ends_not_at_its_next_poll(stack):
         t0 = time.monotonic()
         assert wait_until_final(client, run.id, poll_s=300).state.is_completed()
         assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.stack
+def test_down_leaves_nothing(stack, tmp_path):
+    """A flow run in flight (its own process group, not the worker's) is stopped too."""
+    s = stack.settings
+    state = stack._load_state()
+    (tmp_path / "sleepy.py").write_text(SLEEPY)
+    env = {**os.environ, "PREFECT_API_URL": s.prefect_api_url, "PREFECT_HOME": str(tmp_path / "prefect")}
+    subprocess.run([sys.executable, "-c", START_RUN, str(tmp_path)], env=env, check=True, timeout=120,
+                   capture_output=True)
+    runs = _flow_run_processes(state["stack_id"])
+    # the gpu worker (sleepy's pool) started the run, in a process group of the run's own but the worker's session
+    gpu_worker = psutil.Process(_pids(stack)[GPU_WORKER])
+    assert runs and {p.pid for p in runs} <= {c.pid for c in gpu_worker.children(recursive=True)}
+    for p in runs:
+        assert os.getpgid(p.pid) != os.getpgid(gpu_worker.pid) and os.getsid(p.pid) == os.getsid(gpu_worker.pid)
+
+    t0 = time.monotonic()
+    stopped = stack.down()
+    took = time.monotonic() - t0
+    assert stopped == [CPU_WORKER, GPU_WORKER, PREFECT_SERVER, MLFLOW_SERVER]
+    assert not stack.state_path.exists()
+    # Graceful: each worker obeyed the first SIGINT (the fixture started them with SIGINT ignored in the parent,
+    # which they would inherit and then ignore) instead of being killed after the grace period.
+    for name in (CPU_WORKER, GPU_WORKER):
+        assert f"Worker '{name}' stopped!" in (stack.logs_dir / f"{name}.log").read_text()
+    assert took < s.stop_timeout_s, f"down took {took:.1f} s"
+    assert _ours(stack.home, [s.prefect_port, s.mlflow_port]) == []
+    leftovers = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get(STACK_ID_ENV) == state["stack_id"]:
+                leftovers.append(p)
+    # alive(), not is_running(): a run adopted by a PID 1 that never reaps (some CI containers) stays a zombie
+    assert leftovers == [] and not any(alive(p) for p in runs)
+    assert stack.down() == []
+    assert stack.status() == []
+    result = CliRunner().invoke(app, ["down"], env=_cli_env(stack))
+    assert result.exit_code == 0 and "nothing running" in result.output
+
