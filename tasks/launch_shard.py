@@ -5,7 +5,6 @@ or is being cancelled: a shard of a cancelled evaluation is never started again.
 
 from __future__ import annotations
 
-
 from prefect import get_run_logger, task
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context

@@ -44,6 +44,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import polars as pl
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+# scipy.special, not scipy.stats: every flow run imports this module with the plan, and scipy.stats would add 0.3 s to
+# each start on a 2-core box (docs/performance.md); twostage imports scipy.special already
+from scipy.special import betaln, ndtri, stdtrit
 
 from evaldag.decisions.twostage import TwoStageWeights, estimates, expected_variance, optimal_weights
 
@@ -164,18 +167,8 @@ def fit_prior(first_correct: np.ndarray, n0: int) -> tuple[float, float]:
     return mu * kappa, (1 - mu) * kappa
 
 
-def _normal_quantile(q: float) -> float:
-    # scipy.stats is imported here, not with the module: every flow run imports this module with the plan, and
-    # scipy.stats is 0.3 s of a 2-core box's start of each (docs/performance.md)
-    from scipy.stats import norm
-
-    return float(norm.ppf(q))
-
-
 def _posterior_pq(n0: int, alpha: float, beta: float) -> np.ndarray:
     """E[p (1 - p) | s of n0 correct] under the prior, for s = 0..n0."""
-    from scipy.special import betaln
-
     s = np.arange(n0 + 1)
     return np.exp(betaln(alpha + s + 1, beta + n0 - s + 1) - betaln(alpha + s, beta + n0 - s))
 
@@ -190,7 +183,7 @@ def plan(counts: pl.DataFrame, settings: AdaptiveSettings) -> Plan:
     h = np.bincount(s, minlength=n0 + 1)
     shape = np.sqrt(_posterior_pq(n0, alpha, beta))
     most = settings.max_per_problem - n0
-    z = _normal_quantile(0.5 + settings.confidence / 2)
+    z = float(ndtri(0.5 + settings.confidence / 2))
 
     def sizes(scale: float) -> np.ndarray:
         n1 = np.clip(np.floor(scale * shape), settings.floor, most).astype(np.int64)
@@ -266,12 +259,10 @@ def _estimate(counts: pl.DataFrame, settings: AdaptiveSettings) -> tuple[Adaptiv
     m = t.size
     v = expected_variance(p.weights, p.alpha + total_correct, p.beta + n - total_correct)
     se = math.sqrt(max(float(v.sum()), 0.0)) / m
-    from scipy.stats import t as student_t
-
-    z = _normal_quantile(0.5 + settings.confidence / 2)
+    z = float(ndtri(0.5 + settings.confidence / 2))
     mean = float(t.mean())
     pop_se = float(t.std(ddof=1) / math.sqrt(m)) if m > 1 else float("nan")
-    tq = float(student_t.ppf(0.5 + settings.confidence / 2, m - 1)) if m > 1 else float("nan")
+    tq = float(stdtrit(m - 1, 0.5 + settings.confidence / 2)) if m > 1 else float("nan")
     est = AdaptiveEstimate(mean=mean, se=se, ci_low=mean - z * se, ci_high=mean + z * se, population_se=pop_se,
                            population_ci_low=mean - tq * pop_se, population_ci_high=mean + tq * pop_se,
                            problems=m, samples=int(n.sum()), confidence=settings.confidence)
