@@ -252,6 +252,10 @@ def _fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, most often); nothing of it is left behind or announced."""
+
+
 def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, state: dict) -> Path | None:
     """Write `<output_dir>/checkpoint-<step>` atomically; None (and nothing written) when it exists already."""
     import torch
@@ -264,20 +268,28 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, optimizer, st
     if tmp.exists():                      # left over by a run that crashed while saving: never announced
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    # A bf16 copy of the weights (the training model stays float32). Tied tensors (embeddings / lm_head) share
-    # storage, so convert each storage once: save_pretrained then sees the tie and writes the tensor once.
-    converted: dict[int, torch.Tensor] = {}
-    bf16 = {name: converted.setdefault(t.data_ptr(), t.detach().to(torch.bfloat16))
-            for name, t in model.state_dict().items()}
-    model.save_pretrained(tmp, state_dict=bf16, safe_serialization=True)
-    config = json.loads((tmp / "config.json").read_text())
-    config["dtype"] = "bfloat16"          # save_pretrained writes the in-memory dtype (float32); the file is bf16
-    config.pop("torch_dtype", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tokenizer.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
-    (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
-    _fsync_tree(tmp)
+    try:
+        # A bf16 copy of the weights (the training model stays float32). Tied tensors (embeddings / lm_head) share
+        # storage, so convert each storage once: save_pretrained then sees the tie and writes the tensor once.
+        converted: dict[int, torch.Tensor] = {}
+        bf16 = {name: converted.setdefault(t.data_ptr(), t.detach().to(torch.bfloat16))
+                for name, t in model.state_dict().items()}
+        model.save_pretrained(tmp, state_dict=bf16, safe_serialization=True)
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = "bfloat16"          # save_pretrained writes the in-memory dtype (float32); the file is bf16
+        config.pop("torch_dtype", None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tokenizer.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        _fsync_tree(tmp)
+    except Exception as exc:
+        # A half-written folder is never announced, but it holds up to a checkpoint's size of a disk that may be full
+        shutil.rmtree(tmp, ignore_errors=True)
+        free_gib = shutil.disk_usage(output_dir).free / 2**30
+        raise CheckpointWriteError(f"could not write checkpoint {final} ({exc}); {free_gib:.1f} GiB free on its "
+                                   "disk. Free space or choose another --output-dir, then run again with --resume"
+                                   ) from exc
     os.rename(tmp, final)                 # atomic: the folder appears complete or not at all
     _fsync_tree(output_dir)
     return final
@@ -503,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, EvalDagError) as e:      # bad data, output folder, model alias or checkpoint folder
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointWriteError as e:            # the checkpoints before this one are complete and announced
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

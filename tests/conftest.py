@@ -9,6 +9,7 @@ only when a test asks for it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -16,6 +17,17 @@ import tempfile
 from pathlib import Path
 
 _TMP = Path(tempfile.mkdtemp(prefix="evaldag-test-"))
+# Removed when the session's process exits (after the stack is down): a session leaves 50-300 MB here, and sessions
+# that leave them fill a CI machine's disk. EVALDAG_KEEP_TEST_TMP=1 keeps it for a post-mortem.
+_OWNER_PID = os.getpid()
+
+
+def _remove_tmp() -> None:
+    if os.getpid() == _OWNER_PID and not os.environ.get("EVALDAG_KEEP_TEST_TMP"):    # not in a forked child
+        shutil.rmtree(_TMP, ignore_errors=True)
+
+
+atexit.register(_remove_tmp)
 _REPO = Path(__file__).resolve().parent.parent
 os.environ["EVALDAG_HOME"] = str(_TMP / "home")
 os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
@@ -49,6 +61,17 @@ for var in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI"):
 import pytest  # noqa: E402
 
 TEST_MLFLOW_TIMEOUT_S = 12
+
+
+def require_free_disk(path: Path, gib: float, what: str) -> None:
+    """Fail at once, saying so, when `path`'s disk has less than `gib` GiB free for `what`: a full disk otherwise
+    surfaces deep inside torch.save as a write error in the middle of a training step."""
+    path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free / 2**30
+    if free < gib:
+        pytest.fail(f"{what} needs about {gib:g} GiB free on the disk of {path}; it has {free:.1f} GiB. "
+                    "Free space there (old test or CI folders in the temp dir) or set TMPDIR to a larger disk.",
+                    pytrace=False)
 
 
 def free_ports(n: int) -> list[int]:
@@ -116,8 +139,6 @@ def live_stack():
     finally:
         stack.down()
         if extra:
-            import shutil
-
             shutil.rmtree(extra["postgres_dir"].parent, ignore_errors=True)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require_free_disk
 from evaldag.request.checkpoint import validate_checkpoint
 from fake_events import FakeEventsServer
 
@@ -59,6 +60,8 @@ def events_api():
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("train-sft")
+    require_free_disk(root, 5, "examples/train_sft.py's test (up to three checkpoints of 1.35 GB: bf16 weights, "
+                               "float32 AdamW state)")
     data = root / "train.jsonl"
     data.write_text("".join(json.dumps({"question": q, "answer": a}) + "\n" for q, a in ROWS))
     yield root, data
@@ -194,3 +197,26 @@ def test_prompt_is_masked_and_answer_is_learnt():    # the model's tokenizer onl
     assert all((x == y).all() for x, y in zip(a, b))
     input_ids, mask, lab = a
     assert ((mask == 0) <= (lab == -100)).all()                              # pads carry no loss
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_says_why(tmp_path):
+    """A full disk in the middle of a save (stood in for by a save_pretrained that writes part of its file and then
+    fails as a full disk does): no half-written folder stays behind, and the error names the checkpoint, the free
+    space and the way on, not a write error from deep inside torch."""
+    import errno
+
+    import torch
+
+    class _Model(torch.nn.Linear):
+        def save_pretrained(self, folder, **_):
+            (Path(folder) / "model.safetensors").write_bytes(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    model = _Model(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(train_sft.CheckpointWriteError) as failed:
+        train_sft.save_checkpoint(tmp_path, 2, model, tokenizer=None, optimizer=optimizer, state={})
+    message = str(failed.value)
+    assert str(tmp_path / "checkpoint-2") in message and "No space left" in message
+    assert "GiB free" in message and "--resume" in message
+    assert list(tmp_path.iterdir()) == []

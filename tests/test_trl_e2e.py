@@ -18,6 +18,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import DeploymentUpdate
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
+from conftest import require_free_disk
+
 pytestmark = [pytest.mark.stack, pytest.mark.model]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,6 +54,7 @@ def small_evaluations(live_stack):
 def test_trl_checkpoints_are_evaluated_into_the_trainers_mlflow_run(small_evaluations):
     stack = small_evaluations
     out = ROOT / JOB
+    require_free_disk(ROOT, 4.5, "TRL's two checkpoints of 1.6 GB (float32 weights and AdamW state)")
     env = {**os.environ, "PREFECT_API_URL": stack.settings.prefect_api_url, "MLFLOW_TRACKING_URI": stack.mlflow_url,
            "MLFLOW_EXPERIMENT_NAME": "trainers-e2e"}
     t0 = time.monotonic()
@@ -89,4 +92,4 @@ def test_trl_checkpoints_are_evaluated_into_the_trainers_mlflow_run(small_evalua
         assert sorted(m.step for m in loss) == [1, 2]
         assert sorted(m.step for m in accuracy) == [1, 2] and all(0 <= m.value <= 1 for m in accuracy)
     finally:
-        shutil.rmtree(out, ignore_errors=True)      # two float32 checkpoints of the default model, ~1 GB
+        shutil.rmtree(out, ignore_errors=True)      # two float32 checkpoints of the default model, ~3.2 GB
