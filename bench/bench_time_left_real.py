@@ -52,11 +52,11 @@ def main() -> None:
             super().__init__(*a, **k)
             forecasts.append(self)
 
-        def estimate(self, tokens_so_far, running, not_started=None):
+        def estimate(self, tokens_so_far, running, not_started=None, fresh=True):
             inputs.append({"t": time.monotonic(), "tokens": tokens_so_far, "finished": len(self.finished),
                            "running": None if running is None else [int(g) for g in running],
-                           "not_started": not_started})
-            est = super().estimate(tokens_so_far, running, not_started)
+                           "not_started": not_started, "fresh": fresh})
+            est = super().estimate(tokens_so_far, running, not_started, fresh)
             rate = est.tokens_left / est.tokens_per_s if est.seconds_left is not None and est.tokens_per_s else None
             reports.append((time.monotonic(), tokens_so_far, est.seconds_left, rate, est.tokens_left))
             return est

@@ -36,7 +36,7 @@ def replay(rec: dict, seconds_of, base_fraction: float) -> list[tuple[float, int
         now[0] = r["t"]
         tl.finish(rec["finished"][done:r["finished"]])
         done = r["finished"]
-        est = tl.estimate(r["tokens"], r["running"], r["not_started"])
+        est = tl.estimate(r["tokens"], r["running"], r["not_started"], r.get("fresh", True))
         out.append((r["t"], r["tokens"], seconds_of(tl, est, r["running"], r["not_started"]), est.tokens_left))
     return out
 

@@ -102,7 +102,9 @@ def test_a_greedy_cpu_workload_gets_a_fitted_window_and_cache_and_speculation(mo
 
 @pytest.mark.parametrize("workload, args, on_cpu, speculates", [
     (Workload(1000, 4, False), {}, True, False),          # sampled: speculation would change the samples
-    (Workload(1000, 500, True), {}, True, True),
+    (Workload(1000, 128, True), {}, True, True),
+    (Workload(1000, 500, True), {}, True, False),         # a full batch on CPU: 0.89x
+    (Workload(1000, 500, True), {"speculative_ngram": True}, True, True),
     (Workload(1000, 4, True), {}, False, False),          # GPU: not measured, off unless asked
     (Workload(1000, 500, True), {"speculative_ngram": True}, False, True),
     (Workload(1000, 4, True), {"speculative_ngram": False}, True, False),

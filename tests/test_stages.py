@@ -530,6 +530,38 @@ def test_progress_carries_the_forecast_of_the_shards_end(streaming, monkeypatch)
     assert (heard[-1].done, heard[-1].tokens_left, heard[-1].seconds_left) == (8, 0, 0.0)
 
 
+def test_the_forecast_knows_when_the_running_counts_predate_a_finish(streaming, monkeypatch):
+    """The forecast is told whether the engine's running counts are as of every finished request (right after
+    an engine report) or older than the last finish (time_left.TimeLeft.estimate's `fresh`)."""
+    from evaldag.engines.base import Finished, Running
+    from evaldag.pipeline import time_left
+
+    ckpt, _, results = streaming
+    monkeypatch.setattr(shard_runs, "PROGRESS_S", 0.0, raising=False)
+    events, calls = [], []
+    original = StreamingEngine.generate_requests
+
+    def recorded(self, *a, **k):
+        for event in original(self, *a, **k):
+            events.append(type(event))
+            yield event
+
+    def estimate(self, tokens, running, not_started=None, fresh=True):
+        calls.append((len(events), fresh))
+        return real_estimate(self, tokens, running, not_started, fresh)
+
+    real_estimate = time_left.TimeLeft.estimate
+    monkeypatch.setattr(StreamingEngine, "generate_requests", recorded)
+    monkeypatch.setattr(time_left.TimeLeft, "estimate", estimate)
+    generate_shard(_plan_of(ckpt, results), 0, lambda p: None)
+    during = [(n, fresh) for n, fresh in calls if 0 < n < len(events)]
+    assert during and {fresh for _, fresh in during} == {True, False}
+    for n, fresh in during:
+        assert fresh == (events[n - 1] is Running), (n, events[n - 1], fresh)
+    assert calls[-1][1] is True                                  # the last report: nothing runs, nothing is old
+    assert Finished in events
+
+
 def test_the_forecast_counts_what_the_engine_queues_as_not_started(streaming, monkeypatch):
     """An engine that runs 2 sequences at once and reports the others as queued (vLLM's max_num_seqs,
     Running.queued): the queued ones are still to generate (10 tokens each, like the finished), not finished samples

@@ -20,7 +20,7 @@ setup` installs the one that fits the host). Choices, and why:
   counts are reported).
 - Loaded for a Workload (what the shard will ask, see evaldag.engines.workload; `fit_to_workload`): the context
   window fitted to the longest sequence, and on CPU the KV cache fitted to the sequences (at most 2 GiB) and n-gram
-  speculation for a greedy shard. None of it changes a completion; what the user set in engine_args wins.
+  speculation for a small greedy shard. None of it changes a completion; what the user set in engine_args wins.
 - On GPUs the engine core runs in a separate (spawned) process; `close()` shuts it down, so no process outlives the
   engine. A script that creates the engine must guard its entry point with `if __name__ == "__main__":` because the
   spawned child re-imports the main module. On CPU the core runs in-process (see __init__).

@@ -1,6 +1,6 @@
 """What a vLLM engine is given: the engine_args evaldag accepts (ENGINE_ARGS, checked by `validate_engine_args`),
 then fitted to the workload (`fit_to_workload`): the context window to the longest sequence, and on CPU the KV
-cache to the sequences, n-gram speculation for a greedy workload and whole-prompt prefills for a sampled one. Pure
+cache to the sequences, n-gram speculation for a small greedy workload and whole-prompt prefills for a sampled one. Pure
 functions: the model's shape is read from its config.json (`model_shape`), nothing is loaded."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ ENGINE_ARGS: dict[str, tuple[tuple[type, ...], str]] = {
     "kv_cache_space_gb": ((int, float), "KV cache size in GiB (CPU: default what the shard needs, at most 2; "
                                         "GPU: kv_cache_memory_bytes, overrides gpu_memory_utilization)"),
     "speculative_ngram": ((bool,), "n-gram (prompt lookup) speculation for greedy shards: true/false (default: "
-                                   "true on CPU, false on GPU)"),
+                                   "true on CPU for shards of at most 128 sequences, false otherwise)"),
     "enforce_eager": ((bool,), "no CUDA graphs / no compilation (default: True on CPU, vLLM's default on GPU)"),
     "enable_prefix_caching": ((bool,), "reuse KV of shared prompt prefixes"),
     "quantization": ((str,), "weight quantization method, e.g. 'fp8', 'awq'"),
@@ -43,9 +43,13 @@ _GONE = {"swap_space": "vLLM V1 has no CPU swap space (preempted sequences are r
 _CPU_KV_DEFAULT_GB = 2
 _KV_STEP = 64 * 2**20
 # n-gram speculation (vLLM proposes the next tokens from the text so far, the model checks them in one step): it
-# is lossless only for greedy requests, and pays most where decoding is memory-bound (few sequences); measured on
-# CPU only (docs/performance.md), so off on a GPU.
+# is lossless only for greedy requests, and pays where decoding leaves compute idle (few sequences). On CPU, by the
+# sequences of the workload: 4 GSM8K prompts 1.44x, 32 MATH-500 1.02x, 128 MATH-500 1.08x, but all 500 (256
+# running at once) 0.89x, twice (the checks of drafts that fail cost compute a full batch does not have). It also
+# makes completions that repeat themselves, which run to the cap, run faster than the others, which misleads the
+# forecast of the end (evaldag.pipeline.time_left). Measured on CPU only (docs/performance.md), so off on a GPU.
 _NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM_MAX_SEQUENCES = 128
 
 
 def validate_engine_args(args: dict) -> dict:
@@ -134,7 +138,9 @@ def fit_to_workload(args: dict, workload: Workload | None, shape: ModelShape, on
         if (fit := fitted_max_model_len(workload.context_tokens, shape.window)) is not None:
             args["max_model_len"] = fit
     speculate = args.pop("speculative_ngram", None)
-    if workload is not None and workload.greedy and (speculate if speculate is not None else on_cpu):
+    if speculate is None:
+        speculate = on_cpu and workload is not None and workload.sequences <= NGRAM_MAX_SEQUENCES
+    if workload is not None and workload.greedy and speculate:
         args["speculative_config"] = dict(_NGRAM)
     if on_cpu and not (workload is not None and workload.greedy):
         # Whole-prompt prefills for sampled requests on CPU. vLLM samples a token for a prompt whose prefill was

@@ -103,6 +103,7 @@ class ShardRun:
         self.todo: list = []
         self.resumed: dict[str, int] = {}
         self.running_counts: tuple[int, ...] | None = None    # each running sequence's tokens, where reported
+        self.counts_fresh = True                              # no completion finished since those counts
         self.engine_queued: int | None = None                 # sequences the engine holds but has not started
         self.time_left: TimeLeft | None = None                # set once `todo` is known
         self.stopped = False                                  # the parent decided the evaluation (evaldag.decisions.decide)
@@ -137,8 +138,8 @@ class ShardRun:
         self._published = now
         # never backwards: a finished request's final count can be below what its last running report estimated
         self._reported_tokens = max(self._reported_tokens, self.resumed_tokens + self.tokens + self.running_tokens)
-        est = self.time_left.estimate(self.tokens + self.running_tokens, self.running_counts,
-                                      self.not_started()) if self.time_left is not None else None
+        est = self.time_left.estimate(self.tokens + self.running_tokens, self.running_counts, self.not_started(),
+                                      fresh=self.counts_fresh) if self.time_left is not None else None
         self._progress(ShardProgress(self.samples_done, self.samples, self._reported_tokens,
                                      est.tokens_per_s if est else None, est.tokens_left if est else None,
                                      est.seconds_left if est else None, self.view.unit))
@@ -318,6 +319,7 @@ class PerRequest(ShardRun):
                             self._gate.finished(self._position[event.key])
                     elif event.tokens is not None:
                         self.running_tokens, self.running_counts = event.tokens, event.counts
+                        self.counts_fresh = True
                         self.engine_queued = event.queued
                     self.seconds = time.perf_counter() - t1
                     if (self._pending_requests >= every_requests
@@ -338,6 +340,7 @@ class PerRequest(ShardRun):
         self._flush()
         self.seconds = time.perf_counter() - t1
         self.running_tokens, self.running_counts, self.engine_queued = 0, (), 0
+        self.counts_fresh = True
         self.report(force=True)
 
     def _ordered_requests(self) -> tuple[list, dict[str, int]]:
@@ -403,6 +406,7 @@ class PerRequest(ShardRun):
         self.running_tokens = max(0, self.running_tokens - sum(c.completion_tokens for c in completions))
         if self.running_counts:
             self.running_counts = without_finished(self.running_counts, [c.completion_tokens for c in completions])
+            self.counts_fresh = False
         self._left[i] -= 1
         self.done += self._left[i] == 0
 
