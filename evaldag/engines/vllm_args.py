@@ -1,7 +1,7 @@
 """What a vLLM engine is given: the engine_args evaldag accepts (ENGINE_ARGS, checked by `validate_engine_args`),
 then fitted to the workload (`fit_to_workload`): the context window to the longest sequence, and on CPU the KV
-cache to the sequences, n-gram speculation for a small greedy workload and whole-prompt prefills for a sampled one. Pure
-functions: the model's shape is read from its config.json (`model_shape`), nothing is loaded."""
+cache to the sequences, n-gram speculation for a small greedy workload and whole-prompt prefills for a sampled
+one. Pure functions: the model's shape is read from its config.json (`model_shape`), nothing is loaded."""
 
 from __future__ import annotations
 
