@@ -15,12 +15,19 @@ from pathlib import Path
 import psutil
 import pytest
 
-# The flow run's stand-in: starts a child of its own (as vLLM's workers on a GPU host), writes its pid, waits.
-RUN = textwrap.dedent("""
+# The child writes its own pid once its interpreter has started: a SIGINT that lands while Python is still starting
+# up can be swallowed ("Exception ignored in ... KeyboardInterrupt", seen in CI), so the test signals only a child
+# that is running its program, as every signal a real run gets does after its first seconds.
+CHILD = ("import os, sys, time\n"
+         "with open(sys.argv[1] + '.tmp', 'w') as f:\n"
+         "    f.write(str(os.getpid()))\n"
+         "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n"
+         "time.sleep(600)\n")
+
+# The flow run's stand-in: starts a child of its own (as vLLM's workers on a GPU host), which writes its pid; waits.
+RUN = textwrap.dedent(f"""
     import subprocess, sys, time
-    from pathlib import Path
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    Path(sys.argv[1]).write_text(f"{child.pid}")
+    child = subprocess.Popen([sys.executable, "-c", {CHILD!r}, sys.argv[1]])
     time.sleep(600)
 """)
 
