@@ -9,8 +9,8 @@ import heapq
 import numpy as np
 import pytest
 
-from evaldag.pipeline.time_left import (TAIL_MIN_FINISHED, StepModel, Survival, TimeLeft, drain_seconds,
-                                       fit_step_model, tokens_left, without_finished)
+from evaldag.pipeline.time_left import (BASE_FRACTION, TAIL_MIN_FINISHED, Estimate, StepModel, Survival, TimeLeft,
+                                       drain_seconds, fit_step_model, tokens_left, without_finished)
 
 
 def test_what_is_left_in_cases_worked_by_hand():
@@ -287,6 +287,7 @@ def test_a_finished_request_leaves_the_running_counts():
     assert without_finished((30, 120, 118, 400), [500, 25]) == (118, 120)      # 400 for 500; none below 25: 30
     assert without_finished((5, 5, 7), [7, 7, 7, 7]) == ()
     assert without_finished((), [10]) == ()
+    assert without_finished((30, 120, 400), [120]) == (30, 400)                # its last report was its length
     counts = tuple(range(0, 200, 7))
     assert sorted(without_finished(counts, [])) == list(counts)
 
@@ -314,3 +315,25 @@ def test_counts_older_than_a_finish_keep_the_last_length_estimate():
     assert 0.97 * before < after < before                   # one running completion fewer, the same lengths
     _, taken_as_fresh = forecast(fresh=True)
     assert taken_as_fresh < 0.2 * before                     # the failure the flag exists for
+
+
+def test_a_cpu_engine_forecasts_tokens_left_over_the_recent_rate_not_a_step_model():
+    """BASE_FRACTION's 0 for a CPU means no step model: seconds left are tokens left / the recent rate, even once
+    the running set has drained (a step model fitted there added error on real CPU runs, docs/performance.md). A
+    GPU's prior on the same reports runs the rest on the fitted step time instead, and forecasts otherwise."""
+    def forecast(base_fraction: float) -> tuple[Estimate, float]:
+        now, tokens, running = [0.0], [0], 64
+        est = TimeLeft(64 + 40, 512, clock=lambda: now[0], min_span_s=10.0, base_fraction=base_fraction)
+        for c in (64, 64, 64, 48, 32, 16):      # a full engine, then draining at a step of 0.02 + 0.002 c
+            now[0] += 5.0
+            tokens[0] += round(5.0 / (0.02 + 0.002 * c) * c)
+            est.finish(range(100 + c, 100 + running, 1))            # the ones that left the running set
+            running = c
+            e = est.estimate(tokens[0], [150] * c, not_started=40)
+        return e, tokens_left(est.finished, [150] * 16, 40, 512)
+
+    cpu, left = forecast(BASE_FRACTION["cpu"])
+    assert cpu.seconds_left is not None and cpu.tokens_left == round(left)
+    assert cpu.seconds_left == pytest.approx(left / cpu.tokens_per_s, rel=1e-9)
+    gpu, _ = forecast(BASE_FRACTION["cuda"])
+    assert gpu.seconds_left != pytest.approx(left / gpu.tokens_per_s, rel=0.01)
