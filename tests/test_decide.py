@@ -439,6 +439,34 @@ def test_the_gate_is_dropped_only_when_no_verdict_is_in_sight():
     assert pacing.worth_gating(np.array([]), 250, 0.05, 0.03, z)
 
 
+def test_the_gate_counts_an_equivalence_in_sight_and_the_problems_left_to_come():
+    """Two parts of the predicted chance, each by hand: a difference of about 0 read tightly is decided at the last
+    gated look as equivalent (within the margin), so the gate stays; and the mean at 250 problems, predicted from
+    200, can move only by what the 50 still to come add (the finite-population factor 1/t - 1/target): read as if
+    from an endless pool (1/t), a difference short of a verdict looked likely to reach one."""
+    z = 2.5552
+
+    def chance(d, target, margin):
+        t = d.size
+        s = math.sqrt((((d - d.mean()) ** 2).sum() + 1) / t)
+        half = stats.t.isf(stats.norm.sf(z), target - 1) * s / math.sqrt(target)
+        spread = s * math.sqrt(1 / t - 1 / target)
+        m = d.mean()
+        better_or_worse = stats.norm.sf((half - m) / spread) + stats.norm.cdf((-half - m) / spread)
+        equivalent = (stats.norm.cdf((margin - half - m) / spread) - stats.norm.cdf((half - margin - m) / spread)
+                      if half < margin else 0.0)
+        return better_or_worse, equivalent
+
+    tight = np.tile([0.02, -0.02, 0.0, 0.0], 25)                     # 100 problems, mean 0, sd 0.014
+    better_or_worse, equivalent = chance(tight, 250, 0.03)
+    assert better_or_worse < 0.05 and equivalent > 0.9
+    assert pacing.worth_gating(tight, 250, 0.05, 0.03, z)
+    short = np.tile([0.5, -0.5, 0.25, -0.25, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 20) + 0.035   # 200 problems
+    better_or_worse, equivalent = chance(short, 250, 0.03)
+    assert equivalent == 0.0 and 0.1 < better_or_worse < pacing.GATE_CHANCE
+    assert not pacing.worth_gating(short, 250, 0.05, 0.03, z)
+
+
 def test_the_pace_is_read_on_a_prefix_with_unfinished_samples_counted_wrong():
     """worth_gating reads the longest look's prefix at most 5 % unknown (not the problems that happen to be
     complete), each unfinished sample counted wrong."""
