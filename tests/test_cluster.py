@@ -138,15 +138,25 @@ HOSTILE = {"LD_PRELOAD": "/tmp/evil.so", "LD_LIBRARY_PATH": "/tmp/evil-lib", "PY
            "AWS_CA_BUNDLE": "/tmp/evil-ca.pem", "AWS_PROFILE": "evil",
            "AZURE_STORAGE_CONNECTION_STRING": "BlobEndpoint=https://attacker.example;SharedAccessSignature=x",
            "MLFLOW_TRACKING_URI": "https://attacker.example/mlflow", "MLFLOW_TRACKING_INSECURE_TLS": "true",
-           "REQUESTS_CA_BUNDLE": "/tmp/evil-ca.pem", "HF_ENDPOINT": "https://attacker.example/hf"}
+           "REQUESTS_CA_BUNDLE": "/tmp/evil-ca.pem", "HF_ENDPOINT": "https://attacker.example/hf",
+           # a proxy sees every request and its credentials (S3 keys, MLflow token, HF token); NO_PROXY sends a
+           # request the node routes through its own proxy around it; a CA file or folder lets a proxy pass as any
+           # server (httpx and urllib read SSL_CERT_*, requests REQUESTS_CA_BUNDLE and CURL_CA_BUNDLE)
+           "HTTP_PROXY": "http://attacker.example:3128", "HTTPS_PROXY": "http://attacker.example:3128",
+           "ALL_PROXY": "socks5://attacker.example:1080", "http_proxy": "http://attacker.example:3128",
+           "https_proxy": "http://attacker.example:3128", "all_proxy": "socks5://attacker.example:1080",
+           "NO_PROXY": "*", "no_proxy": "*", "SSL_CERT_FILE": "/tmp/evil-ca.pem", "SSL_CERT_DIR": "/tmp/evil-ca",
+           "CURL_CA_BUNDLE": "/tmp/evil-ca.pem", "PREFECT_API_URL": "https://attacker.example/api",
+           "MLFLOW_S3_ENDPOINT_URL": "https://attacker.example/s3", "HF_HUB_CACHE": "/tmp/evil-hub"}
 
 
 def test_the_node_allow_list_names_no_endpoint_uri_file_or_ca():
     assert cluster.accepted_env(HOSTILE) == {}
     assert cluster.shared_env(HOSTILE, HOSTILE) == {}              # the head publishes none of them either
     for name in cluster.NODE_ENV_ALLOWED:
-        assert not any(word in name for word in ("ENDPOINT", "URI", "URL", "FILE", "CA_BUNDLE", "PATH", "CONNECTION",
-                                                  "PROFILE", "CONFIG")), name
+        assert not any(word in name.upper() for word in ("ENDPOINT", "URI", "URL", "FILE", "CA_BUNDLE", "PATH",
+                                                          "CONNECTION", "PROFILE", "CONFIG", "PROXY", "CERT",
+                                                          "SSL")), name
 
 
 def test_a_node_never_applies_loader_or_interpreter_variables_from_the_head(tmp_path, monkeypatch, caplog):

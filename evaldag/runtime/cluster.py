@@ -47,8 +47,10 @@ MIN_MISSED_HEARTBEATS = 2  # with 1, a single late heartbeat would crash a live 
 # where their requests and secrets go: no variable that names an endpoint or URI (AWS_ENDPOINT_URL_S3,
 # AWS_CONTAINER_CREDENTIALS_FULL_URI, a connection string's BlobEndpoint, MLFLOW_TRACKING_URI: ClusterInfo carries
 # the MLflow and result store URLs), a file to read (AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE, AWS_CONFIG_FILE,
-# EVALDAG_FAULTS_FILE) or a CA (AWS_CA_BUNDLE). Everything else is dropped on the node with a warning naming it; a
-# node that needs one (a MinIO endpoint) gets it on its own command line, `evaldag worker --env KEY=VALUE`.
+# EVALDAG_FAULTS_FILE), a proxy (HTTPS_PROXY, or NO_PROXY around the node's own) or a CA (AWS_CA_BUNDLE,
+# SSL_CERT_FILE, SSL_CERT_DIR, REQUESTS_CA_BUNDLE: a CA lets a proxy pass as any server). Everything else is
+# dropped on the node with a warning naming it; a node that needs one (a MinIO endpoint, its own proxy) gets it on
+# its own command line, `evaldag worker --env KEY=VALUE`.
 NODE_ENV_ALLOWED = frozenset({
     # the workers' settings; folders are read as data and must be the same path on every host
     "EVALDAG_DATA_DIR", "EVALDAG_MODELS_DIR", "EVALDAG_CHECKPOINT_ROOTS", "EVALDAG_CHECKPOINT_MARKER",
@@ -90,7 +92,7 @@ def accepted_env(head_env: Mapping[str, str]) -> dict[str, str]:
     if dropped:
         log.warning("ignoring variables the head published that a node never takes from it: %s (a node takes "
                     "only the settings and credentials evaldag.runtime.cluster.NODE_ENV_ALLOWED names, never an "
-                    "endpoint, URI, file or CA; give anything else with `evaldag worker --env KEY=VALUE`)",
+                    "endpoint, URI, file, proxy or CA; give anything else with `evaldag worker --env KEY=VALUE`)",
                     ", ".join(dropped))
     return {k: v for k, v in head_env.items() if allowed_from_head(k)}
 
