@@ -804,6 +804,42 @@ def test_merge_chunks_refuses_a_duplicated_request_that_hides_a_missing_one(tmp_
         merge_chunks(chunks, inputs, [(0, 2), (0, 2)], 0)
 
 
+def test_missing_requests_are_stretches_of_consecutive_missing_samples_only():
+    """Sample 1 of problem a is written (a hole in what is missing): the requests are samples 0 and 2-3. One
+    stretch 0-2 would generate sample 1 twice and sample 3 never (the merge then refuses the shard at every retry)."""
+    assert missing_requests([(0, 0, 4, 0)], ["a"], {("a", 1)}, one_per_sample=False) == [(0, 0, 1, 0), (0, 2, 2, 0)]
+    assert missing_requests([(0, 0, 4, 0)], ["a"], {("a", 1)}, one_per_sample=True) == \
+        [(0, 0, 1, 0), (0, 2, 1, 0), (0, 3, 1, 0)]
+    # consecutive samples stay apart across problems and rounds
+    assert missing_requests([(0, 0, 2, 0), (0, 2, 2, 1), (1, 0, 2, 1)], ["a", "b"], set(), one_per_sample=False) == \
+        [(0, 0, 2, 0), (0, 2, 2, 1), (1, 0, 2, 1)]
+
+
+def test_merge_chunks_keeps_the_first_chunks_row_of_a_sample_written_twice(tmp_path):
+    """Two attempts of a shard both wrote problem a (same seed, but their rows may differ: a timing, a batch size);
+    the first chunk's row, in name order, is kept, whatever order the files are read in."""
+    inputs = pl.DataFrame({"sample_id": ["a", "b"], "prompt": ["pa", "pb"], "gold": ["1", "2"],
+                           "gold_raw": ["1", "2"], "subject": [None, None], "level": [None, None]},
+                          schema={"sample_id": pl.Utf8, "prompt": pl.Utf8, "gold": pl.Utf8, "gold_raw": pl.Utf8,
+                                  "subject": pl.Utf8, "level": pl.Int64})
+
+    def rows(sid, completion, batch_size):
+        return pl.DataFrame([{"sample_id": sid, "prompt": "p" + sid, "gold": "1", "gold_raw": "1", "subject": None,
+                              "level": None, "sample_index": k, "shard_index": 0, "completion": f"{completion}{k}",
+                              "completion_ids": [1], "prompt_tokens": 1, "completion_tokens": 1,
+                              "finish_reason": "stop", "latency_s": 0.0, "batch_size": batch_size}
+                             for k in range(2)], schema=GENERATION_SCHEMA)
+
+    chunks = UPath(tmp_path / "generations.chunks")
+    chunks.mkdir()
+    write_table(rows("b", "b", 1), chunks / "requests-000003.parquet", GENERATION_SCHEMA)
+    write_table(rows("a", "later", 2), chunks / "requests-000002.parquet", GENERATION_SCHEMA)
+    write_table(rows("a", "first", 1), chunks / "requests-000001.parquet", GENERATION_SCHEMA)
+    df = merge_chunks(chunks, inputs, [(0, 2), (0, 2)], 0)
+    assert df["completion"].to_list() == ["first0", "first1", "b0", "b1"]
+    assert df["batch_size"].to_list() == [1, 1, 1, 1]
+
+
 def test_two_attempts_writing_one_shards_chunks_merge_to_every_sample_once(streaming, monkeypatch):
     """Two attempts of one shard generating at once on an object store (its lock holds on one machine; a retry
     beside a revived original): each read no chunk when it started, and they cut their chunks at other places
