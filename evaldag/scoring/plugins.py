@@ -1,14 +1,14 @@
 """Plug-ins: a team's own rewards and per-evaluation statistics, without editing evaldag.
 
-A benchmark config names a plug-in in one of two ways:
+A plug-in is a function of an installed package, registered as an entry point of group `evaldag.rewards` or
+`evaldag.metrics` (the convention pytest and Prefect use for plug-ins) in that package's pyproject.toml:
 
-- by an entry point's name, in group `evaldag.rewards` or `evaldag.metrics` (the convention pytest and Prefect use
-  for plug-ins), which the team's package declares in its pyproject.toml:
+    [project.entry-points."evaldag.metrics"]
+    boxed_share = "my_team_evals.stats:boxed_share"
 
-      [project.entry-points."evaldag.metrics"]
-      boxed_share = "my_team_evals.stats:boxed_share"
-
-- or directly as `package.module:function`.
+and a benchmark config names it by the entry point's name (`boxed_share`). Only installed entry points are looked
+up, never a module a config names: a config travels inside every plan.json of the result store, which every node
+can write, so a name that could import any module would let whoever writes the store run code where plans are read.
 
 A reward plug-in is a factory like evaldag.scoring.rewards' own: called with the component's params, it returns a
 `pl.Expr` giving one float per row of the graded table (`evaldag.storage.schema.GRADED_SCHEMA`). A metric plug-in
@@ -16,14 +16,14 @@ takes the graded table (a polars DataFrame, the first round's rows, as accuracy 
 {metric name: number}; its names go into the evaluation's metrics (MLflow) as they are and must not be the name of
 a metric evaldag computes.
 
-Entry points are looked up when a config names one, never at import (no import-time registration). A plug-in that
-cannot be imported, or has the wrong signature, fails the config's validation, before anything is generated; a
-reward plug-in is also tried on a one-row table then. Any failure says which plug-in it was.
+Entry points are looked up when a config names one, never at import (no import-time registration). Validating a
+config loads a named plug-in and reads its signature, and never calls it; a reward plug-in is tried on a one-row
+table by `evaldag.scoring.rewards.check_rewards`, which the config's loading runs before anything is generated.
+Any failure says which plug-in it was.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -47,34 +47,33 @@ def installed(group: str) -> list[str]:
     return sorted({ep.name for ep in entry_points(group=group)})
 
 
-def is_reference(name: str) -> bool:
-    """Whether `name` is `package.module:function` rather than a registered or entry-point name."""
-    return ":" in name
+def how_to_register(group: str) -> str:
+    """How a package registers a plug-in in `group`: the sentence every unknown plug-in's error ends with."""
+    return (f"a plug-in is a function of an installed package, registered in its pyproject.toml as "
+            f'[project.entry-points."{group}"] my_name = "my_package.module:function", then named my_name '
+            "once that package is installed where evaluations run (every worker)")
 
 
-def load(name: str, group: str) -> Callable[..., Any]:
-    """The function a config's `name` stands for in `group`: `package.module:function`, or an entry point's name.
-    Raises PluginError naming the plug-in when it is unknown, cannot be imported or is not callable."""
+def load(name: str, group: str, builtin: list[str] | tuple[str, ...] = ()) -> Callable[..., Any]:
+    """The function the entry point `name` of `group` stands for (it imports the installed package that registers
+    it, and calls nothing). Raises PluginError naming the plug-in when no installed package registers it, several
+    register it differently, or it cannot be imported or is not callable. `builtin`: the built-in names of the
+    kind, for the message."""
     kind = _KINDS[group]
-    if is_reference(name):
-        module_name, _, attr = name.partition(":")
-        what, loader = f"{kind} plug-in {name!r}", lambda: getattr(importlib.import_module(module_name), attr)
-    else:
-        found = sorted(entry_points(group=group, name=name), key=lambda ep: ep.value)
-        if not found:
-            raise PluginError(f"unknown {kind} {name!r}: no entry point of that name in group {group!r} (installed: "
-                              f"{installed(group)}); install the package that provides it, or name the function "
-                              "as 'package.module:function'")
-        if len({ep.value for ep in found}) > 1:
-            raise PluginError(f"{kind} plug-in {name!r}: several packages register it in {group!r} "
-                              f"({[ep.value for ep in found]}); uninstall one or name the function as "
-                              "'package.module:function'")
-        what, loader = f"{kind} plug-in {name!r} (entry point {found[0].value!r})", found[0].load
+    found = sorted(entry_points(group=group, name=name), key=lambda ep: ep.value)
+    if not found:
+        builtins = f"not a built-in {kind} ({', '.join(builtin)}) nor" if builtin else "not"
+        raise PluginError(f"unknown {kind} {name!r}: {builtins} an entry point of group {group!r} (installed: "
+                          f"{installed(group)}); {how_to_register(group)}")
+    if len({ep.value for ep in found}) > 1:
+        raise PluginError(f"{kind} plug-in {name!r}: several packages register it in {group!r} "
+                          f"({[ep.value for ep in found]}); uninstall all but one")
+    what = f"{kind} plug-in {name!r} (entry point {found[0].value!r})"
     try:
-        fn = loader()
+        fn = found[0].load()
     except Exception as error:   # an import error, a missing attribute, an exception while importing its module
         raise PluginError(f"{what} cannot be loaded: {type(error).__name__}: {error}; install its package where "
-                          "evaluations run (every worker) or fix the name") from error
+                          "evaluations run (every worker) or fix its entry point") from error
     if not callable(fn):
         raise PluginError(f"{what} is a {type(fn).__name__}, not a function")
     return fn

@@ -4,8 +4,10 @@ A reward is a factory registered with `@register_reward("name")`: called with it
 returns a `pl.Expr` giving one float per sample. Expressions rather than per-row Python functions, because a
 million-row table is then scored in one vectorised pass. The registry is this module's dict, filled only by the
 decorators below: no imports elsewhere that register things as a side effect. A team's own rewards come as
-plug-ins (evaldag.scoring.plugins): a config names an entry point of group `evaldag.rewards`, or
-`package.module:function`, looked up when the config is validated; a built-in name wins over an entry point's.
+plug-ins (evaldag.scoring.plugins): a config names an entry point of group `evaldag.rewards` of an installed
+package; a built-in name wins over an entry point's. Validating a config reads the factory's signature and never
+calls it (a config travels in every plan.json, read back from a store that every node writes); `check_rewards`
+builds the expressions and tries them on one row, where a config is put to use (`load_benchmark`).
 
 A benchmark config lists components, e.g.
     [{"name": "correctness", "weight": 1.0},
@@ -47,20 +49,18 @@ def reward_names() -> list[str]:
 
 
 def get_reward(name: str) -> RewardFn:
-    """The reward factory registered as `name`, else the plug-in it names (an entry point of group
-    `evaldag.rewards`, or `package.module:function`); ValueError listing the known names otherwise."""
+    """The reward factory registered as `name`, else the plug-in of that name (an entry point of group
+    `evaldag.rewards`, loaded, not called); a ValueError (PluginError) naming the built-in rewards, the entry point
+    group and how to register one otherwise."""
     from evaldag.scoring import plugins
 
     if name in _REWARDS:
         return _REWARDS[name]
-    if plugins.is_reference(name) or name in plugins.installed(plugins.REWARDS_GROUP):
-        return plugins.load(name, plugins.REWARDS_GROUP)
-    raise ValueError(f"unknown reward {name!r}; known rewards: {reward_names()}, reward plug-ins installed: "
-                     f"{plugins.installed(plugins.REWARDS_GROUP)} (or name one as 'package.module:function')")
+    return plugins.load(name, plugins.REWARDS_GROUP, builtin=reward_names())
 
 
 def _probe_table() -> pl.DataFrame:
-    """One plausible graded row, to try a reward's expression on when its config is read."""
+    """One plausible graded row, to try a reward's expression on before generation (check_rewards)."""
     from evaldag.storage.schema import GRADED_SCHEMA
 
     row = {"sample_id": "probe", "prompt": "What is 2 + 2?", "gold": "4", "gold_raw": "4", "subject": None,
@@ -121,19 +121,17 @@ class RewardSpec(BaseModel):
 
     @model_validator(mode="after")
     def _params_fit(self) -> RewardSpec:
-        # Build the expression and try it on one row here, so a misspelt or missing param, or a plug-in that reads
-        # a column the table lacks, fails at config load (before generation), not at reduce.
-        expr = self.expr()
-        if not isinstance(expr, pl.Expr):
-            raise ValueError(f"reward {self.name!r} returned a {type(expr).__name__}; a reward factory returns a "
-                             "polars expression (pl.Expr) giving one float per row of the graded table")
-        _evaluate(self.name, _probe_table(), [expr])
+        # a misspelt or missing param fails here, from the signature alone: validation never calls the factory
+        self._factory()
         return self
 
-    def expr(self) -> pl.Expr:
-        """The component's unweighted expression."""
+    def _factory(self) -> RewardFn:
+        """The factory, its signature checked against the params (read, not called)."""
         fn = get_reward(self.name)
-        sig = inspect.signature(fn)
+        try:
+            sig = inspect.signature(fn)
+        except ValueError:      # no signature to read (a builtin): the call says what is wrong, in check_rewards
+            return fn
         unknown = sorted(set(self.params) - set(sig.parameters))
         try:
             if unknown:
@@ -142,7 +140,30 @@ class RewardSpec(BaseModel):
         except TypeError as error:
             raise ValueError(f"reward {self.name!r}: bad params {self.params}: {error}; "
                              f"expected {self.name}{sig}") from None
-        return fn(**self.params)
+        return fn
+
+    def expr(self) -> pl.Expr:
+        """The component's unweighted expression (the factory called with the params)."""
+        expr = self._factory()(**self.params)
+        if not isinstance(expr, pl.Expr):
+            raise ValueError(f"reward {self.name!r} returned a {type(expr).__name__}; a reward factory returns a "
+                             "polars expression (pl.Expr) giving one float per row of the graded table")
+        return expr
+
+
+def check_rewards(spec: list[RewardSpec]) -> None:
+    """Build each component's expression and try it on one plausible graded row, so that a factory refusing its
+    params, or a plug-in returning no expression or reading a column the table lacks, fails before generation
+    (naming the reward) rather than at the reduce. It runs the factories: call it where a config is put to use,
+    never while validating one (a plan read back from the store is data only)."""
+    for s in spec:
+        try:
+            expr = s.expr()
+        except ValueError:
+            raise
+        except Exception as error:    # a factory's own error (bad values of its params, a plug-in's bug)
+            raise ValueError(f"reward {s.name!r} with params {s.params}: {type(error).__name__}: {error}") from error
+        _evaluate(s.name, _probe_table(), [expr])
 
 
 def _evaluate(name: str, table: pl.DataFrame, exprs: list[pl.Expr]) -> pl.DataFrame:
