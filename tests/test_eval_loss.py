@@ -40,12 +40,21 @@ def test_reference_text_drops_gsm8k_calculator_annotations_only():
     raw = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs.\n#### 18"
     assert reference_text(raw, "gsm8k") == "Janet sells 16 - 3 - 4 = 9 duck eggs.\n#### 18"
     assert reference_text(" $x<<y$ \n", "latex") == "$x<<y$"
+    # another format's text with both << and >> is the dataset's own (much less / greater than): scored whole
+    solution = "For $0 < x<<1$ and $y>>1$, $xy \\approx 0$."
+    assert reference_text(solution, "latex") == reference_text(solution, "number") == solution
 
 
 def test_digest_follows_the_texts():
     base = solutions_digest(["a", "b"], ["x", "y"])
     assert base == solutions_digest(["a", "b"], ["x", "y"])
     assert base != solutions_digest(["a", "b"], ["x", "y "]) != solutions_digest(["b", "a"], ["x", "y"])
+    # where an id ends and its text begins, and where one problem ends and the next begins, is part of the digest
+    assert solutions_digest(["ab"], ["c"]) != solutions_digest(["a"], ["bc"])
+    assert solutions_digest(["a:b"], ["c"]) != solutions_digest(["a"], ["b:c"])
+    assert solutions_digest(["a", "b"], ["xb", "y"]) != solutions_digest(["a", "bb"], ["x", "y"])
+    assert base != solutions_digest(["a"], ["x1:by"])                  # a text that reads as the next problem
+    assert base != solutions_digest(["a1:xb"], ["y"])                  # an id that reads as the problem before
 
 
 class _Tokenizer:
