@@ -496,3 +496,193 @@ def test_a_failed_verdict_lookup_leaves_tracking_successful(mlflow_server, confi
     assert _verdict_tags(data) == {}
     assert "samples/samples.parquet" in [a.path for a in MlflowClient().list_artifacts(run.run_id, "samples")]
     assert any("no paired verdicts" in r.getMessage() and "503" in r.getMessage() for r in caplog.records)
+
+
+# ---- the parent run a trainer names (untrusted input): deleted, an evaluation's, claimed by two jobs, a 503 -------
+
+def _track_naming(tmp_path: Path, job: str, step: int, parent: str):
+    """Track `job`'s checkpoint at `step` with a request that names `parent` as the job's parent run; returns the
+    evaluation's run as MLflow holds it after."""
+    from mlflow import MlflowClient
+
+    from evaldag.request.plan import load_plan
+    from evaldag.tracking.write import track
+
+    plan = load_plan(_finished_plan(tmp_path, step, job, mlflow_parent_run_id=parent))
+    return MlflowClient().get_run(track(plan, _metrics(0.5, 0.5), flow_run_id=f"fr-{job}-{step}").run_id)
+
+
+@pytest.mark.parametrize("claimed_before", [True, False], ids=["claimed-then-deleted", "deleted-unclaimed"])
+def test_a_deleted_parent_run_falls_back_to_the_jobs_own_and_says_so(mlflow_server, configs, tmp_path,
+                                                                    claimed_before):
+    """A user deletes the trainer's MLflow run while the trainer keeps naming it: MLflow still returns the run
+    (lifecycle "deleted") and refuses every write to it, so a track that takes it fails on every retry. The
+    evaluation is logged all the same, its curve in the job's own parent run, and its run says why."""
+    from mlflow import MlflowClient
+
+    from evaldag.tracking.parent_runs import PARENT_REFUSED_TAG
+
+    client = MlflowClient()
+    job = f"deleted-parent-{claimed_before}".lower()
+    trainer = client.create_run(client.create_experiment(f"trainer-{job}")).info.run_id
+    if claimed_before:
+        assert _track_naming(tmp_path, job, 100, trainer).data.tags["evaldag.parent_run_id"] == trainer
+    client.delete_run(trainer)
+    run = _track_naming(tmp_path, job, 200, trainer)
+    assert run.info.status == "FINISHED"
+    parent = run.data.tags["evaldag.parent_run_id"]
+    assert parent != trainer and client.get_run(parent).data.tags["train_run"] == job
+    assert f"{trainer}: the run is deleted" in run.data.tags[PARENT_REFUSED_TAG]
+    assert [m.step for m in client.get_metric_history(parent, "aime24.limit2/accuracy")] == [200]
+
+
+def test_an_evaluation_run_of_the_same_job_is_not_its_parent_run(mlflow_server, configs, tmp_path):
+    """An event naming one of the job's own evaluation runs (kind ckpt_eval, tagged with the job) as the parent: the
+    curve goes to the job's parent run, not into that evaluation's run."""
+    from mlflow import MlflowClient
+
+    from evaldag.tracking.parent_runs import PARENT_REFUSED_TAG
+
+    client = MlflowClient()
+    evaluation = _track_naming(tmp_path, "kind-job", 100, None)
+    run = _track_naming(tmp_path, "kind-job", 200, evaluation.info.run_id)
+    parent = run.data.tags["evaldag.parent_run_id"]
+    assert parent != evaluation.info.run_id and client.get_run(parent).data.tags["kind"] == "train_job"
+    assert "ckpt_eval run" in run.data.tags[PARENT_REFUSED_TAG]
+    assert not [k for k in client.get_run(evaluation.info.run_id).data.metrics if k.startswith("aime24.")]
+
+
+class _ReadTogether:
+    """A real MlflowClient for one of several jobs claiming one run at once: every job reads the run before any of
+    them writes (a barrier after each one's first get_run), then, with `after` given, this job waits until `after`
+    is set (the job before it finished claiming and reading back) before it writes anything. The interleaving under
+    which a claim by writing a tag and reading it back lets two jobs both win."""
+
+    def __init__(self, client, barrier, after=None):
+        self._client, self.barrier, self.after, self.reads = client, barrier, after, 0
+
+    def get_run(self, run_id: str):
+        run = self._client.get_run(run_id)
+        self.reads += 1
+        if self.reads == 1:
+            self.barrier.wait(timeout=60)
+            if self.after is not None:
+                assert self.after.wait(timeout=60)
+        return run
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("order", ["one-after-the-other", "free"])
+def test_two_jobs_claiming_one_trainer_run_at_once_one_wins(mlflow_server, order):
+    """Jobs whose events name the same untagged trainer run claim it at the same moment: exactly one gets it, the
+    others their own parent runs, and the run says whose it is. `one-after-the-other`: both read the run untagged,
+    then one claims (and reads back) completely before the other writes; `free`: four jobs released together."""
+    import threading
+
+    from mlflow import MlflowClient
+
+    from evaldag.tracking.parent_runs import CLAIM_PARAM, job_parent_run
+
+    client = MlflowClient()
+    trainer = client.create_run(client.create_experiment(f"trainer-claims-{order}")).info.run_id
+    jobs = [f"claim-{order}-{i}" for i in range(2 if order == "one-after-the-other" else 4)]
+    barrier = threading.Barrier(len(jobs))
+    finished = {job: threading.Event() for job in jobs}
+    chosen, errors = {}, []
+
+    def claim(i: int, job: str) -> None:
+        after = finished[jobs[i - 1]] if order == "one-after-the-other" and i else None
+        try:
+            chosen[job] = job_parent_run(_ReadTogether(MlflowClient(), barrier, after), job, trainer)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            finished[job].set()
+
+    threads = [threading.Thread(target=claim, args=(i, job)) for i, job in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    winners = [job for job, p in chosen.items() if p.run_id == trainer]
+    assert len(winners) == 1, {job: p.run_id for job, p in chosen.items()}
+    run = client.get_run(trainer)
+    assert run.data.params[CLAIM_PARAM] == run.data.tags["train_run"] == winners[0]
+    for job in set(jobs) - set(winners):
+        assert chosen[job].refused and f"job {winners[0]!r}'s run" in chosen[job].refused
+        assert client.get_run(chosen[job].run_id).data.tags["train_run"] == job
+
+
+class _FailingProxy:
+    """A real HTTP server in front of the MLflow server that answers 503 (an overloaded or restarting server behind
+    a load balancer) to every read of the runs in `failing`, and passes everything else through."""
+
+    def __init__(self, upstream: str, failing: set[str]):
+        import http.server
+        import threading
+        import urllib.error
+        import urllib.request
+
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if "/runs/get" in self.path and any(run_id in self.path for run_id in proxy.failing):
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                req = urllib.request.Request(upstream + self.path, data=body or None, method=self.command,
+                                             headers={"Content-Type": self.headers.get("Content-Type", "")})
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as r:
+                        status, data, ctype = r.status, r.read(), r.headers.get("Content-Type", "")
+                except urllib.error.HTTPError as e:
+                    status, data, ctype = e.code, e.read(), e.headers.get("Content-Type", "")
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = _forward
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.failing = set(failing)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_503_reading_the_named_parent_run_is_retried_not_read_as_no_such_run(mlflow_server, monkeypatch):
+    """The tracking server answers 503 when the trainer's run is read: that is not "no such run" (which would move
+    the job's curve to a new parent run for good) but a failure the track task retries; once the server answers,
+    the trainer's run gets the curve and the job has no second parent run."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from evaldag.tracking.names import JOBS_EXPERIMENT
+    from evaldag.tracking.parent_runs import ParentRun, job_parent_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")     # the REST client's own backoff: minutes
+    client = MlflowClient()
+    trainer = client.create_run(client.create_experiment("trainer-503")).info.run_id
+    proxy = _FailingProxy(mlflow_server, {trainer})
+    try:
+        with pytest.raises(MlflowException, match="503"):
+            job_parent_run(MlflowClient(tracking_uri=proxy.url), "job-503", trainer)
+    finally:
+        proxy.close()
+    jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
+    assert jobs is None or not client.search_runs([jobs.experiment_id], "tags.train_run = 'job-503'")
+    assert job_parent_run(client, "job-503", trainer) == ParentRun(trainer)

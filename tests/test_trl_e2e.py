@@ -83,7 +83,7 @@ def test_trl_checkpoints_are_evaluated_into_the_trainers_mlflow_run(small_evalua
         exp = client.get_experiment_by_name("trainers-e2e")
         [trainer_run] = client.search_runs([exp.experiment_id])
         assert {e.parameters["mlflow_parent_run_id"] for e in evaluations} == {trainer_run.info.run_id}
-        # claimed for the job on first use (evaldag.tracking.parent_runs._usable_parent): no other job writes into it
+        # claimed for the job on first use (evaldag.tracking.parent_runs._claim): no other job writes into it
         assert client.get_run(trainer_run.info.run_id).data.tags.get("train_run") == JOB
         loss = client.get_metric_history(trainer_run.info.run_id, "loss")
         accuracy = client.get_metric_history(trainer_run.info.run_id, "gsm8k.limit2.tok16/accuracy")

@@ -15,6 +15,7 @@ import socket
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from evaldag.tracking.history import (comparable_histories, eval_loss_diagnostic
 from evaldag.tracking.names import (COMPARISON_TAG, DIFFERS_TAG, FINAL_STEP_TAG, FORECAST_TAG, SETTINGS_TAG,
                                     UNDECIDED_SETTINGS_TAG, experiment_name, mlflow_key, run_url)
 from evaldag.events.identity import plan_settings_key
-from evaldag.tracking.parent_runs import ensure_experiment, parent_run
+from evaldag.tracking.parent_runs import PARENT_REFUSED_TAG, ensure_experiment, job_parent_run, parent_run
 
 log = logging.getLogger("evaldag")
 
@@ -73,14 +74,15 @@ def find_run(client, experiment_id: str, eval_key: str):
 
 
 def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s: float | None = None,
-          wait_s: float | None = None) -> TrackedRun:
+          wait_s: float | None = None, before_finish: Callable[[], None] | None = None) -> TrackedRun:
     """Log params, tags, metrics at step, diagnostics, plots and the per-sample parquet into the evaluation's one
     MLflow run (evaldag.tracking.run_claims: claimed atomically by eval_key, written by one writer at a time).
 
     A finished run is returned as it is. An unfinished one is finished by this call when nobody is writing it: it
     was this flow run's own earlier attempt (same `flow_run_id`), or its writer's heartbeat is older than `lease_s`
     (a crash). While another writer is alive this call waits up to `wait_s` (default lease + 30 s) for it to finish,
-    then raises TrackingBusy, which the track task retries."""
+    then raises TrackingBusy, which the track task retries. `before_finish` is called last before the run is set
+    FINISHED: what it raises leaves the run unfinished (a cancelled evaluation's, evaldag.runtime.cancel)."""
     client = tracking_client.mlflow_client()
     exp_id = ensure_experiment(client, experiment_name(plan.benchmark.name))
     uri = os.environ.get("MLFLOW_TRACKING_URI", "")
@@ -111,6 +113,8 @@ def track(plan: EvalPlan, metrics: dict, flow_run_id: str | None = None, lease_s
         _log_artifacts(writing, plan)
     if still_writer(client, run_id, owner) is None:   # stalled past the lease, taken over: the new writer finishes
         raise TrackingBusy(f"MLflow run {run_id} was taken over by another writer while this one stalled")
+    if before_finish is not None:
+        before_finish()
     client.set_terminated(run_id, "FINISHED")
     return TrackedRun(run_id, exp_id, True, run_url(uri, exp_id, run_id), diags)
 
@@ -181,6 +185,10 @@ def _run_params(plan: EvalPlan) -> dict[str, Any]:
         "rewards": json.dumps([r.model_dump() for r in plan.benchmark.rewards]),
         "reference": plan.reference.path if plan.reference else None,
         **{f"sampling.{k}": v for k, v in plan.sampling.model_dump().items()},
+        # a local engine's own settings (the model config's, with the request's engine_settings over them; a
+        # server's base_url may hold credentials), and the hub revision a hub model's snapshot is
+        **({} if model.engine == "openai" else {f"engine_args.{k}": v for k, v in model.engine_args.items()}),
+        **({} if model.hub is None else {"hub": model.hub}),
         **({} if plan.request.adaptive is None
            else {f"adaptive.{k}": v for k, v in plan.request.adaptive.model_dump().items() if v is not None}),
     }
@@ -291,8 +299,11 @@ def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict, history: pl.D
     names the job's final step, the forecast of the accuracy there (`_log_forecast`)."""
     from mlflow.entities import Metric
 
-    parent = parent_run(w.client, plan.train_run, plan.request.mlflow_parent_run_id)
+    chosen = job_parent_run(w.client, plan.train_run, plan.request.mlflow_parent_run_id)
+    parent = chosen.run_id
     w.client.set_tag(w.run_id, "evaldag.parent_run_id", parent)
+    if chosen.refused:   # the run the trainer named (deleted, another job's...) is not written: say so on the run
+        w.client.set_tag(w.run_id, PARENT_REFUSED_TAG, chosen.refused[:5000])
     # one curve per kind of evaluation: math500/accuracy for the benchmark's own settings, math500.limit4/accuracy
     # for quick slices, math500.n8.t0.6/accuracy for a sampled variant...
     series = ".".join(filter(None, (plan.benchmark.name, series_label(plan))))
