@@ -22,6 +22,7 @@ from prefect.utilities.annotations import unmapped
 from evaldag.storage.schema import GRADED_SCHEMA, read_table
 from evaldag.decisions.decide import Decider, Decision, graded_prefix_path
 from evaldag.errors import ConfigError
+from evaldag.runtime.cancel import KeepingCancel, restore_cancel
 from evaldag.runtime.deployments import EVAL_FLOW
 from evaldag.runtime.liveness import revive, watch_for_false_crash
 from evaldag.request.plan import DEFAULT_CHECKPOINT, EvalPlan, EvalRequest, load_plan
@@ -30,7 +31,7 @@ from evaldag.tracking.report import headline_table, summary_markdown
 from flows.shard_flow import shard_flow
 from tasks.decide import decide_while_generating, deciders_for, publish
 from tasks.gpu_slots import pool_num_gpus
-from tasks.launch_shard import KeepingCancel, launch_shard
+from tasks.launch_shard import launch_shard
 from tasks.reduce import reduce_task
 from tasks.resolve import resolve_task
 from tasks.second_round import second_round_task
@@ -79,7 +80,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
-    # a cancel through the API ends the shards: the run then ends Cancelled as asked, not Failed (KeepingCancel)
+    # a person's cancel stands: the run checks it before each irreversible step and ends Cancelled, whatever stops
+    # its body then (evaldag.runtime.cancel)
     with watch_for_false_crash(flow_run.id, revive), KeepingCancel(flow_run.id) as cancel:
         names = list(dict.fromkeys(benchmarks)) if benchmarks else [benchmark]
         requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,
@@ -95,11 +97,17 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         graded |= done
         decisions |= decided
         _second_rounds(running, graded, dispatch)
-        summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, decisions.get(path),
-                                                            deciders.get(path))
+        summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, cancel,
+                                                            decisions.get(path), deciders.get(path))
                      for path, plan in zip(plan_paths, plans)}
+        cancel.check("returning Completed")
         return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
     return cancel.state
+
+
+# a cancel that lands after the body's last check is overwritten by the engine's final state: set again
+eval_flow.on_completion(restore_cancel)
+eval_flow.on_failure(restore_cancel)
 
 
 def _plan(requests: list[EvalRequest], decide: str | None, dispatch: str
@@ -167,10 +175,12 @@ def final_decision(decider: Decider, graded: list[str]) -> Decision:
         "sample_id", "sample_index", "shard_index", "correct", "completion_tokens") for path in graded]))
 
 
-def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int,
+def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: int, cancel: KeepingCancel,
                       decision: Decision | None = None, decider: Decider | None = None) -> dict:
     """Reduce one benchmark's shards (an evaluation stopped early: the prefix it was decided on), log them to
-    MLflow, and publish the Prefect artifacts; returns the summary."""
+    MLflow, and publish the Prefect artifacts; returns the summary. Nothing of it once the run is asked to cancel
+    (`cancel`): its shards may have finished inside the server's child-cancel loop, or all been reused."""
+    cancel.check(f"reducing {plan.benchmark.name}")
     if decider is not None and decision is None:     # ran to the end undecided: the verdict over every problem
         decision = final_decision(decider, graded)
         publish(plan, decision)
@@ -182,7 +192,8 @@ def _reduce_and_track(plan_path: str, plan: EvalPlan, graded: list[str], step: i
         metrics = reduce_task(plan_path, [str(graded_prefix_path(plan))], decision.prefix)
     else:
         metrics = reduce_task(plan_path, graded)
-    run = track_task(plan_path, metrics, flow_run.id)
+    cancel.check(f"logging {plan.benchmark.name} to MLflow")
+    run = track_task(plan_path, metrics, flow_run.id)    # it reads the cancel again before finishing the MLflow run
     summary = {"eval_key": plan.eval_key, "mlflow_run_id": run.run_id, "mlflow_url": run.url,
                "new_mlflow_run": run.created, "metrics": metrics}
     create_markdown_artifact(summary_markdown(plan, metrics, run.url, run.diagnostics),

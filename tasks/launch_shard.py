@@ -26,32 +26,6 @@ class ParentEnded(RuntimeError):
     shard any more, so it is not launched (again)."""
 
 
-class KeepingCancel:
-    """Around a parent flow's body: a ParentEnded from its shards while the flow run is Cancelled (or Cancelling)
-    is suppressed, and `state` is then a Cancelled state with the canceller's message, for the flow to return (its
-    final state). Raised on, the engine would end the run Failed over the person's cancel: a cancel through the API
-    (Cancelled at once) leaves the flow's process running until its shards end."""
-
-    def __init__(self, flow_run_id: str | None) -> None:
-        self.flow_run_id = flow_run_id
-        self.state = None
-
-    def __enter__(self) -> "KeepingCancel":
-        return self
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if kind is None or not issubclass(kind, ParentEnded) or self.flow_run_id is None:
-            return False
-        from prefect.states import Cancelled
-
-        with get_client(sync_client=True) as client:
-            own = client.read_flow_run(self.flow_run_id).state
-        if own is None or not (own.is_cancelled() or own.is_cancelling()):
-            return False
-        self.state = Cancelled(message=own.message or str(exc))
-        return True
-
-
 def _relaunchable(task, task_run, state) -> bool:
     """retry_condition_fn of launch-shard: a shard whose checkpoint is gone or was rewritten since planning fails
     the same way every time (_run_shard raises CheckpointError for it), and one whose parent has ended or is being

@@ -6,6 +6,7 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from evaldag.request.plan import load_plan
+from evaldag.runtime.cancel import KeepingCancel
 from evaldag.tracking.write import TrackedRun, track
 from tasks.retry import retry_transient
 
@@ -14,5 +15,7 @@ from tasks.retry import retry_transient
       retries=4, retry_delay_seconds=exponential_backoff(3), retry_jitter_factor=0.2,
       retry_condition_fn=retry_transient)
 def track_task(plan_path: str, metrics: dict, flow_run_id: str | None) -> TrackedRun:
-    """Log to MLflow; returns the run (existing one when this evaluation was logged before)."""
-    return track(load_plan(plan_path), metrics, flow_run_id=flow_run_id)
+    """Log to MLflow; returns the run (existing one when this evaluation was logged before). The run is finished
+    only if the flow run `flow_run_id` has not been asked to cancel by then (CancelRequested, not retried)."""
+    return track(load_plan(plan_path), metrics, flow_run_id=flow_run_id,
+                 before_finish=lambda: KeepingCancel(flow_run_id).check("finishing the MLflow run"))
