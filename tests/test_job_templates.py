@@ -13,7 +13,9 @@ import asyncio
 import copy
 import importlib
 import json
+import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,16 @@ from prefect.server.schemas.actions import WorkPoolCreate
 from prefect.utilities.schema_tools import is_valid_schema, validate
 from prefect.utilities.templating import apply_values, find_placeholders
 
+from evaldag.runtime.cluster import MIN_HEARTBEAT_S
+
 DEPLOYMENTS = Path(__file__).resolve().parent.parent / "deployments"
 K8S = DEPLOYMENTS / "k8s-gpu-pool.json"
 DOCKER = DEPLOYMENTS / "docker-gpu-pool.json"
 EVALDAG_ENV = {"EVALDAG_RESULTS_URL", "MLFLOW_TRACKING_URI", "EVALDAG_HOME", "HF_HOME"}
 WORKERS = Path(sys.prefix) / "opt" / "prefect-workers"
+# the lost-run automation crashes a run silent for 3 periods of evaldag's heartbeat (docs/production.md): a shard pod
+# or container on Prefect's default period (180 s) would be crashed while it runs
+HEARTBEAT = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"
 
 
 def _load(path: Path) -> dict:
@@ -71,6 +78,7 @@ def test_kubernetes_template():
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4 and c["resources"]["requests"]["nvidia.com/gpu"] == 4
     env = {e["name"]: e["value"] for e in c["env"]}
     assert EVALDAG_ENV <= set(env) and env["EVALDAG_RESULTS_URL"] == "s3://b/evaldag"
+    assert env[HEARTBEAT] == str(MIN_HEARTBEAT_S)
     assert c["envFrom"][0]["secretRef"]["name"] == "evaldag-results"
     pod = rendered["job_manifest"]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
@@ -92,7 +100,7 @@ def test_docker_template():
     request = rendered["container_create_kwargs"]["device_requests"][0]
     assert request == {"driver": "nvidia", "count": 2, "capabilities": [["gpu"]]}
     assert rendered["container_create_kwargs"]["shm_size"]
-    assert EVALDAG_ENV <= set(rendered["env"])
+    assert EVALDAG_ENV <= set(rendered["env"]) and rendered["env"][HEARTBEAT] == str(MIN_HEARTBEAT_S)
     assert any(v.endswith(":/cache") for v in rendered["volumes"])
 
 
@@ -119,9 +127,11 @@ def test_worker_accepts_template(path, module, cls, monkeypatch):
         c = config.job_manifest["spec"]["template"]["spec"]["containers"][0]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
         assert config.env == {"X": "1"}
+        assert {"name": HEARTBEAT, "value": str(MIN_HEARTBEAT_S)} in c["env"]
     else:
         assert config.container_create_kwargs["device_requests"][0]["count"] == 2
         assert config.env["X"] == "1" and EVALDAG_ENV <= set(config.env)  # Prefect merges env over the template's
+        assert config.env[HEARTBEAT] == str(MIN_HEARTBEAT_S)
 
 
 def test_dockerfile_matches_templates():
@@ -129,6 +139,24 @@ def test_dockerfile_matches_templates():
     assert "/opt/evaldag" in text  # where the templates' docs say the repository lives (EVALDAG_REPO when deploying)
     for path in (K8S, DOCKER):
         assert "/opt/evaldag" in _load(path)["variables"]["properties"]["image"]["description"]
+
+
+def test_dockerfile_installs_what_the_templates_use():
+    """The image's evaldag install: with the tested versions (constraints.txt) and the extra of the templates'
+    default result store (s3:// needs s3fs, the `s3` extra); every `make` target it names exists."""
+    text = (DEPLOYMENTS / "Dockerfile").read_text()
+    [install] = re.findall(r'pip install (-c constraints\.txt )?-e "?\.(\[[a-z0-9,-]+\])?"?', text)
+    assert install[0], "evaldag goes in with -c constraints.txt, as `make setup` does"
+    extras = set(install[1].strip("[]").split(",")) if install[1] else set()
+    assert re.search(r"^COPY .*constraints\.txt", text, re.M)
+    project = tomllib.loads((DEPLOYMENTS.parent / "pyproject.toml").read_text())["project"]
+    for path in (K8S, DOCKER):
+        scheme = _defaults(_load(path))["results_url"].split("://")[0]
+        assert scheme == "s3" and "s3" in extras, (path.name, scheme, extras)
+    assert any(r.startswith("s3fs") for r in project["optional-dependencies"]["s3"])
+    targets = set(re.findall(r"^([a-zA-Z][\w-]*):", (DEPLOYMENTS.parent / "Makefile").read_text(), re.M))
+    named = set(re.findall(r"`make ([\w-]+)`", text))
+    assert named <= targets, f"the Dockerfile names make targets that do not exist: {named - targets}"
 
 
 def test_no_prefect_collection_is_installed_in_the_environment():
