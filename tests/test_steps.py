@@ -36,9 +36,21 @@ def test_hand_written_cases(case: dict) -> None:
     ("48/2", "24", True), ("48/2", "25", False), ("2^(10)", "1024", True), ("√(2)*√(8)", "4", True),
     ("10/3", "3.33", True), ("10/3", "3.3", True), ("10/3", "3.4", False), ("100/3", "33", False),
     ("50%*40", "20", True), ("9/27*100%", "33.33%", True), ("05*2", "10", True),
+    # irrational sides: equal within 1e-12 of their size, or within the rounding a bare decimal states
+    ("2π", "π*2", True), ("√(2)", "1.414213562373", True), ("22/7", "π", False), ("π", "3.14159265358", False),
+    ("√(2)*10^6", "1414213.5623731", True), ("√(2)*10^6", "1414213.56238", False),
+    # beyond the float range an exact (rational) step is still checked
+    ("10^400+1", "10^400", False), ("2*10^400", "10^400+10^400", True),
 ])
 def test_check_step(lhs: str, rhs: str, valid: bool) -> None:
     assert check_step(lhs, rhs) is valid
+
+
+@pytest.mark.parametrize(("lhs", "rhs"), [("(π*10^300)^2", "5"), ("10^400*√(2)", "7"), ("5", "-(π*10^300)^2")])
+def test_an_irrational_step_beyond_the_float_range_is_not_checkable(lhs: str, rhs: str) -> None:
+    """Its size as a float is inf, and so was the tolerance (1e-12 of it): every such step counted as valid."""
+    assert check_step(lhs, rhs) is None
+    assert count_steps(f"Then {lhs} = {rhs} and 3*4 = 12.") == (1, 1)        # only 3*4 = 12 is checked
 
 
 @pytest.mark.parametrize("side", ["__import__('os').system('true')", "(1).__class__", "[1][0]", "9**9**9**9",

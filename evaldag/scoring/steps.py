@@ -270,7 +270,8 @@ def _rounding(side: str, other: Any) -> float:
 
 
 def check_step(lhs: str, rhs: str) -> bool | None:
-    """Whether lhs equals rhs (within the rounding a bare decimal side states); None where either is not checkable."""
+    """Whether lhs equals rhs (within the rounding a bare decimal side states); None where either is not checkable,
+    or where a side is irrational and beyond the float range (its tolerance, relative to its size, would be inf)."""
     sp = _sympy()
     a, b = evaluate(lhs), evaluate(rhs)
     if a is None or b is None:
@@ -280,6 +281,8 @@ def check_step(lhs: str, rhs: str) -> bool | None:
         return bool(a == b or abs(a - b) <= sp.Rational(tol))
     diff = abs(sp.N(a - b, 40))
     scale = max(1.0, abs(float(sp.N(a))), abs(float(sp.N(b))))
+    if math.isinf(scale):       # beyond the float range the tolerance would be inf too, and every step valid
+        return None
     return bool(diff <= max(tol, 1e-12 * scale))
 
 
