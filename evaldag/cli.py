@@ -121,9 +121,16 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 @app.command()
 def worker(
-    server: Annotated[str, typer.Option(
+    server: Annotated[Optional[str], typer.Option(
         "--server", help="The head's Prefect server, e.g. http://head:4200 (started there with `evaldag up --host "
-        "0.0.0.0`).", show_default=False)],
+        "0.0.0.0`); with --foreground, default the PREFECT_API_URL of the environment.", show_default=False)] = None,
+    foreground: Annotated[bool, typer.Option(
+        "--foreground", help="Run one worker in this process, attached, until it is stopped (SIGTERM or SIGINT: "
+        "its flow runs are stopped and reported, then it exits 0): for an sbatch job, a Kubernetes pod or a "
+        "systemd unit. It uses the GPUs this process sees (CUDA_VISIBLE_DEVICES); nothing is recorded for "
+        "`evaldag down`.")] = False,
+    pool: Annotated[str, typer.Option(
+        "--pool", help="The work pool of the --foreground worker: gpu (shards) or cpu (parent flows).")] = "gpu",
     gpus: Annotated[Optional[int], typer.Option(
         "--gpus", min=1, help="GPUs of this node for the `gpu` pool: --gpus/--tp workers, each pinned to --tp GPUs "
         "(EVALDAG_GPUS, else the GPUs this node shows); on a node without GPUs, shard slots (default 1).",
@@ -152,21 +159,51 @@ def worker(
 ) -> None:
     """Join this machine to a head as a GPU node: start its `gpu` pool workers, pinned to its GPUs, pointed at the
     head's Prefect API, MLflow and result store (published by the head's `evaldag up`). State lives in this node's
-    EVALDAG_HOME; `evaldag down` stops them."""
+    EVALDAG_HOME; `evaldag down` stops them. With --foreground, run one worker of --pool in this process instead
+    (docs/slurm.md)."""
     from rich.console import Console
 
     from evaldag.runtime.cluster import server_url
+    from evaldag.runtime.deployments import CPU_POOL, GPU_POOL
     from evaldag.runtime.node_clock import check_clock
     from evaldag.runtime.stack import Stack, StackSettings
     from evaldag.runtime.stack_report import print_joined
 
+    if pool not in (CPU_POOL, GPU_POOL):
+        raise typer.BadParameter(f"{pool!r} is not one of evaldag's pools: {GPU_POOL} or {CPU_POOL}",
+                                 param_hint="--pool")
+    overrides = _env_pairs(env or [])
+    if foreground and server is None:
+        # a team's own servers (no evaldag head, no published settings): the environment names them
+        server = os.environ.get("PREFECT_API_URL")
+        overrides = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "EVALDAG_RESULTS_URL") if os.environ.get(k)
+                     } | overrides
+    if server is None:
+        raise typer.BadParameter("give the head's Prefect server, e.g. --server http://head:4200 (with "
+                                 "--foreground, PREFECT_API_URL in the environment will do)", param_hint="--server")
+    if not foreground and pool != GPU_POOL:
+        raise typer.BadParameter("a node runs gpu workers; a cpu worker runs with --foreground", param_hint="--pool")
+    if foreground and (gpus is not None or tp is not None):
+        raise typer.BadParameter("--foreground runs one worker on the GPUs this process sees (CUDA_VISIBLE_DEVICES); "
+                                 "for several, run one process per GPU slot (srun --ntasks=N --gpus-per-task=K)",
+                                 param_hint="--gpus/--tp")
     # before anything starts: a node whose clock lags the head's has every live shard crashed as lost
     check_clock(server_url(server) + "/api", max_clock_skew_s)
-    overrides = _env_pairs(env or [])
     if mlflow_url:
         overrides["MLFLOW_TRACKING_URI"] = mlflow_url
     if results_url:
         overrides["EVALDAG_RESULTS_URL"] = results_url
+    if foreground:
+        from evaldag.runtime.stack.processes import exec_foreground
+
+        stack = Stack(StackSettings.from_env(server=server, node_name=name, worker_env=overrides, api_auth=auth))
+        # unique per process, as Prefect's own default worker names are: two jobs on one node never share a name
+        spec = stack.foreground_worker(pool, name or f"{stack.settings.node_name}-{pool}-{os.getpid()}")
+        where = {k: redact_url(spec.env[k]) for k in ("MLFLOW_TRACKING_URI", "EVALDAG_RESULTS_URL")}
+        typer.echo(f"evaldag worker {spec.name!r} of pool {pool!r} on {stack.settings.server} (MLflow "
+                   f"{where['MLFLOW_TRACKING_URI']}, results {where['EVALDAG_RESULTS_URL']}, EVALDAG_HOME "
+                   f"{stack.home}); stops on SIGTERM or SIGINT", err=True)
+        exec_foreground(spec)
     console = Console(highlight=False)
     stack = Stack(StackSettings.from_env(server=server, num_gpus=gpus, tp=tp, node_name=name,
                                          worker_env=overrides, api_auth=auth))
@@ -225,6 +262,27 @@ def env() -> None:
         typer.echo(line)
 
 
+@app.command()
+def deploy(
+    gpus: Annotated[int, typer.Option(
+        "--gpus", min=0, envvar="EVALDAG_NUM_GPUS", help="GPUs of the `gpu` pool over all its workers: the slots of "
+        "the `evaldag-gpus` concurrency limit (0: unlimited).")] = 1,
+    heartbeat_s: Annotated[int, typer.Option(
+        "--heartbeat-s", min=30, envvar="EVALDAG_HEARTBEAT_S", help="The workers' flow-run heartbeat period: a run "
+        "silent for 3 periods is set Crashed and relaunched.")] = 30,
+) -> None:
+    """Register evaldag on your own Prefect server (PREFECT_API_URL, with PREFECT_API_AUTH_STRING or PREFECT_API_KEY):
+    the cpu and gpu pools, the gpu concurrency limit, the lost-run automation, and `prefect deploy` of
+    deployments/prefect.yaml. For the local stack, `evaldag up` does this (docs/own-servers.md)."""
+    from evaldag.runtime.own_servers import deploy as register_all
+
+    done = register_all(num_gpus=gpus, heartbeat_s=heartbeat_s)
+    typer.echo(f"registered on {redact_url(done.api_url)}: pools cpu and gpu, concurrency limit evaldag-gpus "
+               f"({done.num_gpus or 'unlimited'}), the lost-run automation and the deployments of "
+               f"deployments/prefect.yaml (flow runs start in {done.repo}); start workers with `evaldag worker "
+               "--foreground --pool cpu` and `--pool gpu`, or `prefect worker start --pool ...`")
+
+
 # ------------------------------------------------------------------------ evaluations
 
 
@@ -251,16 +309,47 @@ def _check_run_options(ctx: typer.Context, benchmark: str, benchmarks: str | Non
         raise typer.BadParameter(f"give BENCHMARK ({benchmark}) or --benchmarks, not both")
 
 
+def _check_job_settings(sampling: dict | None, engine_settings: dict | None) -> None:
+    """Refuse sampling and engine settings out of their bounds before anything starts, with the models the
+    evaluation validates them with (evaldag.request.config)."""
+    from pydantic import ValidationError
+
+    from evaldag.request.config import EngineSettings, SamplingOverrides
+    from evaldag.request.rules import describe_errors
+
+    for model, given in ((SamplingOverrides, sampling), (EngineSettings, engine_settings)):
+        try:
+            model.model_validate(given or {})
+        except ValidationError as e:
+            raise typer.BadParameter(describe_errors(e.errors()).replace("_", "-")) from None
+
+
 @app.command()
 def run(
     ctx: typer.Context,
-    benchmark: Annotated[str, typer.Argument(help="benchmark = deployment name under eval/ (math500, aime24, ...)")]
+    benchmark: Annotated[str, typer.Argument(help="benchmark: a config name (math500, aime24, ..., or one in "
+                                             "$EVALDAG_CONFIGS_DIR) or a config file (./mybench.yaml)")]
     = "math500",
-    checkpoint: Annotated[Optional[str], typer.Option(help="model alias or checkpoint folder")] = None,
+    checkpoint: Annotated[Optional[str], typer.Option(help="model alias, checkpoint folder, or hub model id "
+                                                      "org/name[@revision] (docs/hub-models.md)")] = None,
     step: Annotated[Optional[int], typer.Option(help="training step of the checkpoint")] = None,
     limit: Annotated[Optional[int], typer.Option(help="evaluate only the first N problems")] = None,
     num_shards: Annotated[Optional[int], typer.Option(help="shard flow runs (default from the benchmark)")] = None,
-    max_new_tokens: Annotated[Optional[int], typer.Option(help="override the benchmark's token cap")] = None,
+    max_new_tokens: Annotated[Optional[int], typer.Option(min=1, max=131072, help="override the benchmark's "
+                                                          "token cap (up to the model's window)")] = None,
+    n: Annotated[Optional[int], typer.Option("--n", "-n", min=1, max=1024, help="samples per problem (with "
+                                             "--temperature above 0)")] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="override the benchmark's nucleus sampling mass, in "
+                                                   "(0, 1]")] = None,
+    tensor_parallel_size: Annotated[Optional[int], typer.Option(min=1, max=64, help="GPUs one shard's model is "
+                                                                "split over (vllm; gpu workers started with "
+                                                                "`evaldag up --tp` that many)")] = None,
+    max_model_len: Annotated[Optional[int], typer.Option(min=1, help="context window, prompt + completion, in "
+                                                         "tokens (vllm; default: fitted to the work)")] = None,
+    gpu_memory_utilization: Annotated[Optional[float], typer.Option(help="share of GPU memory vllm takes, in "
+                                                                    "(0, 1] (vllm)")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="weights and compute dtype: bfloat16, float16 or float32 "
+                                                 "(default: the model config's, else the deployment's)")] = None,
     train_run: Annotated[Optional[str], typer.Option(help="training job (default: the checkpoint's parent "
                                                      "folder)")] = None,
     baseline: Annotated[Optional[str], typer.Option(help="also give a paired verdict against this evaluation: a "
@@ -289,29 +378,104 @@ def run(
                                                       "eval_loss (default: the benchmark's setting; "
                                                       "docs/metrics.md)")] = None,
 ) -> None:
-    """Run `eval/<benchmark>` (eval/suite for --benchmarks) on the local stack (what `prefect deployment run` does),
+    """Run `eval/<benchmark>` (eval/suite for --benchmarks) on the local stack, or on your own servers when
+    PREFECT_API_URL and MLFLOW_TRACKING_URI are set (what `prefect deployment run` does),
     follow it, print the result and the paired verdicts against the job's previous and best checkpoints (and
     --baseline), and with --decide whether it stopped early."""
     from evaldag.runtime import runner
-    from evaldag.runtime.deployments import SUITE
+    from evaldag.runtime.deployments import SUITE, SUITE_DEPLOYMENT, evaluation_deployment
     from evaldag.runtime.stack import Stack
 
     _check_run_options(ctx, benchmark, benchmarks, decide, decide_margin is not None or decide_alpha is not None,
                        adaptive_budget is not None and adaptive_width is not None)
-    names = runner.benchmark_names(benchmarks, typer.BadParameter) if benchmarks is not None else [benchmark]
+    names = runner.benchmark_names(benchmarks if benchmarks is not None else benchmark, typer.BadParameter)
     stack = Stack()
-    sampling = {k: v for k, v in dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed).items()
-                if v is not None} or None
+    sampling = {k: v for k, v in dict(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                      seed=seed).items() if v is not None} or None
+    engine_settings = {k: v for k, v in dict(tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+                                             gpu_memory_utilization=gpu_memory_utilization, dtype=dtype).items()
+                       if v is not None} or None
+    _check_job_settings(sampling, engine_settings)
     adaptive = ({"budget": adaptive_budget} if adaptive_budget is not None
                 else {"target_ci_width": adaptive_width} if adaptive_width is not None else None)
     params = {k: v for k, v in dict(checkpoint=checkpoint, step=step, limit=limit, num_shards=num_shards,
-                                    sampling=sampling, train_run=train_run, baseline=baseline,
+                                    sampling=sampling, engine_settings=engine_settings, train_run=train_run,
+                                    baseline=baseline,
                                     final_step=final_step, decide="vs_best" if decide else None,
                                     decide_margin=decide_margin, decide_alpha=decide_alpha,
                                     adaptive=adaptive, eval_loss=eval_loss).items()
               if v is not None}
-    deployment, params = (names[0], params) if len(names) == 1 else (SUITE, {**params, "benchmarks": names})
+    # a built-in benchmark runs as its own eval/<name>; several, and any other (a user's config), as eval/suite
+    own = evaluation_deployment(names) != SUITE_DEPLOYMENT
+    deployment, params = (names[0], params) if own else (SUITE, {**params, "benchmarks": names})
     runner.run_and_report(stack, deployment, params)
+
+
+benchmarks_app = typer.Typer(help="The configured benchmarks: list them, or check a config and its data.",
+                              invoke_without_command=True, no_args_is_help=False)
+app.add_typer(benchmarks_app, name="benchmarks")
+
+
+@benchmarks_app.callback()
+def benchmarks_list(ctx: typer.Context) -> None:
+    """List the configured benchmarks (built-in, and those in $EVALDAG_CONFIGS_DIR/benchmarks) and where each is
+    from; `evaldag benchmarks check FILE` checks one."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    from evaldag.request.config import config_origins, load_benchmark
+
+    from evaldag import paths
+
+    table = Table(title="benchmarks (evaldag run NAME, or evaldag run ./file.yaml)")
+    for col in ("name", "from", "data", "gold format"):
+        table.add_column(col, overflow="fold")
+    for name, path in config_origins("benchmarks").items():
+        origin = "built-in" if path.parent == paths.REPO_ROOT / "configs" / "benchmarks" else str(path)
+        try:
+            cfg = load_benchmark(name)
+            src = cfg.dataset
+            data = src.path or f"{src.hub_id}@{src.revision} ({src.split})"
+            if src.path is None and src.mirror and paths.data_dir() is not None:   # what it reads instead
+                data += f", from the mirror {paths.data_dir() / src.mirror}"
+            table.add_row(name, origin, data, cfg.gold_format)
+        except EvalDagError as e:   # one broken config must not hide the others
+            table.add_row(name, origin, f"[red]{e}[/]", "")
+    Console(highlight=False, soft_wrap=True).print(table)
+
+
+@benchmarks_app.command("check")
+def benchmarks_check(
+    config: Annotated[str, typer.Argument(help="a benchmark config file (mybench.yaml) or a config name")],
+    rows: Annotated[int, typer.Option(min=1, help="rows to show")] = 3,
+) -> None:
+    """Validate a benchmark config and every row of its data (columns, ids, problems, golds), and show the first
+    rows with their gold answers as the grader will read them. Nothing is evaluated."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from evaldag.request.config import benchmark_file, load_benchmark
+    from evaldag.request.datasets import load_benchmark_rows
+
+    path = benchmark_file(config)
+    try:
+        cfg = load_benchmark(config)
+        data = load_benchmark_rows(cfg)
+    except EvalDagError as e:
+        raise type(e)(f"{path}: {e}") from None
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(f"{path}: benchmark [bold]{cfg.name}[/], {data.total_rows} problems from {data.source} "
+                  f"(data sha256 {data.dataset_hash[:16]}), gold format {cfg.gold_format}: every row reads")
+    table = Table(title=f"the first {min(rows, data.total_rows)} rows as the grader reads them")
+    for col in ("id", "prompt", "gold in the data", "gold the grader reads"):
+        table.add_column(col, overflow="fold")
+    for r in data.inputs.head(rows).iter_rows(named=True):
+        prompt = r["prompt"] if len(r["prompt"]) <= 160 else r["prompt"][:157] + "..."
+        table.add_row(r["sample_id"], prompt, r["gold_raw"][-80:], r["gold"])
+    console.print(table)
+    console.print(f"run it: evaldag run {config} --limit 20")
 
 
 @app.command("flush-events")

@@ -11,15 +11,17 @@ import os
 
 from prefect import flow
 
-from evaldag.events.checkpoint_event import allowed_roots_from_env, validate_checkpoint_event
+from evaldag.events.checkpoint_event import allowed_roots_from_env, job_overrides, validate_checkpoint_event
 from evaldag.runtime.deployments import CHECKPOINT_FLOW
 from evaldag.errors import CheckpointError
 from evaldag.request.rules import check_limit, decide_overrides
 from evaldag.events.identity import requested_benchmarks
+from evaldag.tracking.refusals import record_refusal
 from tasks.start_evaluation import start_evaluation
 
 
-@flow(name=CHECKPOINT_FLOW, log_prints=True)
+# a refused event's reason also goes on the job's MLflow parent run (the trainer hears of it at its next notify)
+@flow(name=CHECKPOINT_FLOW, log_prints=True, on_failure=[record_refusal])
 def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # noqa: B006 - a Prefect default
                   eval_overrides: dict | None = None, include_cancelled: bool = False) -> list[dict]:
     """Validate the payload (path under EVALDAG_CHECKPOINT_ROOTS, complete checkpoint, step >= 0) and start the
@@ -38,6 +40,7 @@ def on_checkpoint(event: dict, default_benchmarks: list[str] = ["math500"],  # n
     if ckpt.final_step:             # where the job is headed: its forecast is logged for that step
         overrides["final_step"] = ckpt.final_step
     overrides.update(decide_overrides(ckpt.decide))     # stop early once the verdict vs the job's best is known
+    overrides.update(job_overrides(ckpt, overrides))    # the job's own sampling and engine settings
     # one flow run for all benchmarks: each gpu slot loads the checkpoint once for all of them. A repeated event
     # after a failed evaluation means "try again"; after a completed or cancelled one it starts nothing.
     return [start_evaluation(benchmarks, ckpt.path, ckpt.step, ckpt.train_run, overrides, relaunch_failed=True,

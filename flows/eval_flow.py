@@ -48,6 +48,7 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     limit: int | None = None,
     num_shards: int | None = None,
     sampling: dict | None = None,
+    engine_settings: dict | None = None,
     pass_k: list[int] | None = None,
     reference: str | None = None,
     train_run: str | None = None,
@@ -77,6 +78,9 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     `adaptive` ({"budget": samples} or {"target_ci_width": 0.05}, and optionally n0, floor, max_per_problem) draws
     n0 samples of every problem, then more where the outcome is uncertain (evaldag.decisions.adaptive; engine vllm).
     `eval_loss` scores the benchmark's reference solutions and logs eval_loss (default: the benchmark config's).
+    `sampling` ({"n": 8, "temperature": 0.6, "max_new_tokens": 32768, ...}) overrides the benchmark's sampling and
+    `engine_settings` ({"tensor_parallel_size": 4, "max_model_len": 34816, "gpu_memory_utilization": 0.9,
+    "dtype": "bfloat16"}) the model config's (evaldag.request.config.EngineSettings).
     """
     # a false crash (the lost-run automation after a clock step or a partition) is undone: nobody else would finish
     # this evaluation (evaldag.runtime.liveness)
@@ -85,7 +89,8 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
     with watch_for_false_crash(flow_run.id, revive), KeepingCancel(flow_run.id) as cancel:
         names = list(dict.fromkeys(benchmarks)) if benchmarks else [benchmark]
         requests = [EvalRequest.parse(benchmark=name, checkpoint=checkpoint, step=step, limit=limit,
-                                      num_shards=num_shards, sampling=sampling, pass_k=pass_k, reference=reference,
+                                      num_shards=num_shards, sampling=sampling, engine_settings=engine_settings,
+                                      pass_k=pass_k, reference=reference,
                                       train_run=train_run, mlflow_parent_run_id=mlflow_parent_run_id, engine=engine,
                                       baseline=baseline, final_step=final_step, decide=decide,
                                       decide_alpha=decide_alpha, decide_margin=decide_margin,
@@ -97,9 +102,10 @@ def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` wor
         graded |= done
         decisions |= decided
         _second_rounds(running, graded, dispatch)
-        summaries = {plan.benchmark.name: _reduce_and_track(path, plan, graded[path], step, cancel,
-                                                            decisions.get(path), deciders.get(path))
-                     for path, plan in zip(plan_paths, plans)}
+        # keyed as the run named them (a config file's path, not only a name), which is how callers look them up
+        summaries = {name: _reduce_and_track(path, plan, graded[path], step, cancel, decisions.get(path),
+                                             deciders.get(path))
+                     for name, path, plan in zip(names, plan_paths, plans)}
         cancel.check("returning Completed")
         return summaries[names[0]] if len(names) == 1 else {"benchmarks": summaries}
     return cancel.state

@@ -34,6 +34,9 @@ os.environ["PREFECT_HOME"] = str(_TMP / "prefect")
 os.environ.setdefault("EVALDAG_DATA_DIR", str(_REPO.parent / "shared" / "data"))
 os.environ.setdefault("EVALDAG_MODELS_DIR", str(Path.home() / ".evaldag" / "models"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+# huggingface_hub's model cache of this session: tests lay hub snapshots out in it (tests/hub_cache.py) and the
+# stack's workers read hub models from it, never the user's own cache
+os.environ["HF_HUB_CACHE"] = str(_TMP / "hf-hub")
 # checkpoint events and sweeps may only point here (the stack hands it to its workers)
 os.environ["EVALDAG_CHECKPOINT_ROOTS"] = str(_TMP / "checkpoints")
 # the fault drill's plan (evaldag.pipeline.faults): absent, so nothing fails, until a test writes it; workers inherit it

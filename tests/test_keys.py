@@ -32,6 +32,8 @@ EXAMPLES = {
     "model.engine_args.kv_cache_space_gb": 1.5,
     "model.engine_args.cpu_offload_gb": 2,
     "model.engine_args.distributed_executor_backend": "ray",
+    "model.engine_args.tensor_parallel_size": 2,
+    "model.engine_args.pipeline_parallel_size": 2,
     "model.engine_args.concurrency": 4,
     "model.engine_args.max_retries": 1,
     "model.engine_args.timeout_s": 30,

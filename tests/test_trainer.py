@@ -176,8 +176,8 @@ def _notifier(url, tmp_path, **kw) -> CheckpointNotifier:
 def test_delivered_event_shape(server, tmp_path):
     ckpt = tmp_path / "ckpts" / "checkpoint-1200"
     ckpt.mkdir(parents=True)
-    n = _notifier(server.url, tmp_path, benchmarks=["math500", "gsm8k"], model="smollm2",
-                  mlflow_parent_run_id="0123456789abcdef0123456789abcdef", final_step=5000)
+    n = _notifier(server.url, tmp_path, benchmarks=["math500", "gsm8k"], sampling={"n": 4, "temperature": 0.6},
+                  engine_settings={"max_model_len": 4096}, mlflow_parent_run_id="0123456789abcdef0123456789abcdef", final_step=5000)
     event_id = n.notify(ckpt, 1200, epoch=3, lr=1e-5)
     assert len(server.received) == 1
     path, body = server.received[0]
@@ -187,8 +187,9 @@ def test_delivered_event_shape(server, tmp_path):
     assert ev["occurred"].endswith("Z") and "T" in ev["occurred"]
     assert ev["resource"] == {"prefect.resource.id": "evaldag.train-run.grpo-42", "prefect.resource.name": "grpo-42"}
     assert ev["payload"] == {"path": str(ckpt), "step": 1200, "epoch": 3, "train_run": "grpo-42",
-                             "benchmarks": ["math500", "gsm8k"], "model": "smollm2",
+                             "benchmarks": ["math500", "gsm8k"],
                              "mlflow_parent_run_id": "0123456789abcdef0123456789abcdef", "final_step": 5000,
+                             "sampling": {"n": 4, "temperature": 0.6}, "engine_settings": {"max_model_len": 4096},
                              "extra": {"lr": 1e-5}}
     assert n.pending() == []
 

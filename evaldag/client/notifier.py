@@ -25,22 +25,29 @@ import os
 import threading
 import time
 import uuid
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 # EvalTrigger, flush_spool and TRAIN_RUN_PATTERN stay importable from here (__all__): training scripts import them
 # from evaldag.client.notifier, and the notifier's own warning names evaldag.client.notifier.flush_spool
-from evaldag.client.delivery import (HELD, OK, REJECTED, TRANSIENT, auth_headers, check_api_url, deliver, flush_dir,
-                                     flush_spool, pending_files, refusal, reject, spool_name, write_atomic)
+from evaldag.client.delivery import (HELD, OK, REJECTED, TRANSIENT, auth_headers, check_api_url, deliver,
+                                     failed_checkpoint_runs, flush_dir, flush_spool, pending_files, refusal, reject,
+                                     spool_name, write_atomic)
 from evaldag.client.trigger import EvalTrigger, positive
-from evaldag.request.rules import (TRAIN_RUN_PATTERN, check_benchmark_names, check_count, check_decide, check_run_id,
-                                   check_step, check_train_run)
+from evaldag.request.rules import (ENGINE_SETTING_KEYS, SAMPLING_KEYS, TRAIN_RUN_PATTERN, check_benchmark_names,
+                                   check_count, check_decide, check_run_id, check_settings, check_step,
+                                   check_train_run)
 
 log = logging.getLogger("evaldag.client.notifier")
 
 EVENT_NAME = "evaldag.checkpoint.saved"
 RESOURCE_PREFIX = "evaldag.train-run."
+# Delivered events whose evaluation may still be refused: watched at each notify() for this long, at most this many
+# (an on-checkpoint run waits for a free cpu worker, which a busy pool may not have for hours)
+WATCH_S, MAX_WATCHED = 24 * 3600.0, 256
+# The trainer's and the server's clocks may differ: the server is asked for runs since this long before the event
+_CLOCK_SLACK = timedelta(minutes=10)
 
 
 class CheckpointNotifier:
@@ -53,6 +60,9 @@ class CheckpointNotifier:
     One the server refuses with another 4xx (a payload bug; 408 and 429 excepted) is moved to
     `spool_dir/rejected/` with a warning and never retried. Without an API URL (argument
     or $PREFECT_API_URL) every event is spooled, with one warning, for a later `flush_spool(spool_dir, api_url)`.
+    An event the server takes but then refuses (its on-checkpoint flow run fails: a folder outside the server's
+    checkpoint roots, an incomplete checkpoint) gets one warning with the reason at the next notify(): each notify
+    asks the Prefect API once for the failed on-checkpoint runs of the events delivered in the last WATCH_S.
 
     Bounds: each HTTP attempt waits at most min(timeout_s, time left); name resolution (DNS) is not covered by
     socket timeouts, so use an IP or a resolvable host name in api_url. While the server stays down, each notify
@@ -63,18 +73,23 @@ class CheckpointNotifier:
     `decide` ("vs_best", or {"against": "vs_best", "alpha": 0.05, "margin": 0.02, "rounds": 10}) asks every
     evaluation of the job to stop as soon as its paired verdict against the job's best checkpoint so far is decided
     (evaldag.decisions.decide): cheaper evaluations, each a verdict rather than a full measurement.
+    `sampling` ({"n": 8, "temperature": 0.6, "max_new_tokens": 32768}: n, temperature, top_p, max_new_tokens,
+    seed) and `engine_settings` ({"tensor_parallel_size": 4, "max_model_len": 34816}: tensor_parallel_size,
+    max_model_len, gpu_memory_utilization, dtype) travel with every event: this job's evaluations run with them,
+    over the benchmark's sampling and the model's engine settings (the server checks their values).
     """
 
     def __init__(self, train_run: str, api_url: str | None = None, benchmarks: list[str] | None = None,
                  spool_dir: str | Path | None = None, timeout_s: float = 2.0, max_block_s: float = 5.0,
-                 retries: int = 3, model: str | None = None, mlflow_parent_run_id: str | None = None,
+                 retries: int = 3, mlflow_parent_run_id: str | None = None,
                  backoff_s: float = 0.2, final_step: int | None = None,
-                 decide: str | dict | None = None) -> None:
+                 decide: str | dict | None = None, sampling: dict | None = None,
+                 engine_settings: dict | None = None) -> None:
         check_train_run(train_run)
         if benchmarks is not None:
             benchmarks = check_benchmark_names(benchmarks)
-        if model is not None and (not isinstance(model, str) or not model):
-            raise ValueError(f"model must be a non-empty string or None, got {model!r}")
+        self.sampling = check_settings("sampling", sampling, SAMPLING_KEYS)
+        self.engine_settings = check_settings("engine_settings", engine_settings, ENGINE_SETTING_KEYS)
         check_run_id(mlflow_parent_run_id)
         positive("final_step", final_step, int)
         self.decide = check_decide(decide)
@@ -85,7 +100,6 @@ class CheckpointNotifier:
         self.train_run = train_run
         self.api_url = check_api_url(api_url if api_url is not None else os.environ.get("PREFECT_API_URL"))
         self.benchmarks = benchmarks
-        self.model = model
         self.mlflow_parent_run_id = mlflow_parent_run_id
         self.final_step = final_step
         self.spool_dir = (Path(spool_dir).expanduser() if spool_dir is not None
@@ -97,6 +111,8 @@ class CheckpointNotifier:
         self._warned_no_url = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # delivered events not known to be accepted yet, by id: (payload, sent at: monotonic, wall clock)
+        self._watched: dict[str, tuple[dict, float, datetime]] = {}
 
     # -- public API ------------------------------------------------------------------------------------------
 
@@ -187,9 +203,11 @@ class CheckpointNotifier:
             "resource": {"prefect.resource.id": f"{RESOURCE_PREFIX}{self.train_run}",
                          "prefect.resource.name": self.train_run},
             "payload": {"path": abspath, "step": step, "epoch": epoch, "train_run": self.train_run,
-                        "benchmarks": self.benchmarks, "model": self.model,
+                        "benchmarks": self.benchmarks,
                         "mlflow_parent_run_id": self.mlflow_parent_run_id, "final_step": self.final_step,
                         **({"decide": self.decide} if self.decide else {}),
+                        **({"sampling": self.sampling} if self.sampling else {}),
+                        **({"engine_settings": self.engine_settings} if self.engine_settings else {}),
                         "extra": dict(extra)},
         }
 
@@ -202,6 +220,7 @@ class CheckpointNotifier:
             self._spool(event)        # a background flush holds the lock; the next flush sends this one
             return
         try:
+            self._report_refusals(deadline)
             _, state = self._flush(deadline)
             if state != "done":
                 # Older events are still waiting (server down or out of time): queue behind them, keep the order.
@@ -217,6 +236,7 @@ class CheckpointNotifier:
                                                auth_headers())
             if outcome == OK:
                 self._server_down = False
+                self._watch(event)
                 log.debug("checkpoint event %s delivered (step %s)", event["id"], event["payload"]["step"])
             elif outcome == REJECTED:
                 reject(self.spool_dir, None, event, refusal(status, detail))
@@ -234,6 +254,33 @@ class CheckpointNotifier:
                             len(self.pending()))
         finally:
             self._lock.release()
+
+    def _watch(self, event: dict) -> None:
+        """Remember a delivered event until the server is seen to refuse it or WATCH_S passes."""
+        self._watched[event["id"]] = (event["payload"], time.monotonic(), datetime.now(timezone.utc))
+        while len(self._watched) > MAX_WATCHED:
+            del self._watched[next(iter(self._watched))]
+
+    def _report_refusals(self, deadline: float) -> None:
+        """One warning per delivered event whose on-checkpoint flow run failed: the server refused it (a folder
+        outside its checkpoint roots, a bad name) or could not start its evaluation, with the run's reason. One
+        request to the Prefect API, within the time left; nothing when it cannot be asked (asked again next time)."""
+        now = time.monotonic()
+        self._watched = {k: v for k, v in self._watched.items() if now - v[1] < WATCH_S}
+        remaining = deadline - now
+        if not self._watched or self._server_down or remaining < 0.05:
+            return
+        since = min(sent for _, _, sent in self._watched.values()) - _CLOCK_SLACK
+        runs = failed_checkpoint_runs(self.api_url, since, min(self.timeout_s, remaining), auth_headers())
+        for run in runs or []:
+            refused = run.get("parameters", {}).get("event")
+            refused = refused if isinstance(refused, dict) else {}
+            for event_id, (payload, _, _) in list(self._watched.items()):
+                if all(refused.get(k) == payload[k] for k in ("train_run", "step", "path")):
+                    del self._watched[event_id]
+                    log.warning("the server refused checkpoint event %s for step %s (%s): %s; no evaluation was "
+                                "started (flow run %s of on-checkpoint)", event_id, payload["step"], payload["path"],
+                                (run.get("state") or {}).get("message") or run.get("state_name"), run.get("name"))
 
     def _flush(self, deadline: float | None) -> tuple[int, str]:
         if not self.pending():

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from evaldag.client.notifier import CheckpointNotifier, EvalTrigger
-from evaldag.request.rules import (check_benchmark_names, check_decide, check_limit, check_run_id, check_train_run,
-                                   train_run_name)
+from evaldag.request.rules import (ENGINE_SETTING_KEYS, SAMPLING_KEYS, check_benchmark_names, check_decide,
+                                   check_limit, check_run_id, check_settings, check_train_run, train_run_name)
 
 log = logging.getLogger("evaldag.client.trainer_callback")
 
@@ -55,7 +55,10 @@ class EvaldagCallback:
     - `mlflow_parent_run_id`: the MLflow run the evaluations hang under (default: the run active in the trainer
       process, e.g. the one transformers' MLflowCallback started; none: evaldag makes the job's own).
     - `final_step`: the job's planned last step (default: the Trainer's `max_steps`).
-    - `api_url`, `spool_dir`, `model`, `max_block_s`: passed to CheckpointNotifier.
+    - `sampling`, `engine_settings`: this job's evaluations' sampling (n, temperature, top_p, max_new_tokens,
+      seed) and engine settings (tensor_parallel_size, max_model_len, gpu_memory_utilization, dtype), sent in
+      every event (a reasoning model: {"n": 8, "temperature": 0.6, "max_new_tokens": 32768}).
+    - `api_url`, `spool_dir`, `max_block_s`: passed to CheckpointNotifier.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "EvaldagCallback":
@@ -65,7 +68,8 @@ class EvaldagCallback:
                  decide: str | dict | None = None, every_saves: int = 1, trigger: EvalTrigger | None = None,
                  train_run: str | None = None, mlflow_parent_run_id: str | None = None,
                  final_step: int | None = None, api_url: str | None = None, spool_dir: str | Path | None = None,
-                 model: str | None = None, max_block_s: float = 5.0) -> None:
+                 sampling: dict | None = None, engine_settings: dict | None = None,
+                 max_block_s: float = 5.0) -> None:
         self.benchmarks = check_benchmark_names(benchmarks) if benchmarks is not None else None
         self.limit = check_limit(limit)
         self.decide = check_decide(decide)
@@ -83,8 +87,10 @@ class EvaldagCallback:
             raise ValueError(f"final_step must be an int >= 1 or None, got {final_step!r}")
         self.every_saves, self.trigger, self.train_run = every_saves, trigger, train_run
         self.mlflow_parent_run_id, self.final_step = mlflow_parent_run_id, final_step
-        self._notifier_options = {"api_url": api_url, "spool_dir": spool_dir, "model": model,
-                                  "max_block_s": max_block_s}
+        self._notifier_options = {"api_url": api_url, "spool_dir": spool_dir, "max_block_s": max_block_s,
+                                  "sampling": check_settings("sampling", sampling, SAMPLING_KEYS),
+                                  "engine_settings": check_settings("engine_settings", engine_settings,
+                                                                    ENGINE_SETTING_KEYS)}
         self.notifier: CheckpointNotifier | None = None
         self.saves = 0
         self.announced: list[str] = []      # event ids, in order

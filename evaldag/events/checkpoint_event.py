@@ -3,7 +3,9 @@
 An `evaldag.checkpoint.saved` event (sent by `evaldag.client.notifier.CheckpointNotifier`) is untrusted input: anyone who can
 POST to the Prefect API can send one. `validate_checkpoint_event` therefore checks the payload's types strictly and
 only accepts a checkpoint folder that lies, after resolving symlinks, under a root the operator allowed
-(`EVALDAG_CHECKPOINT_ROOTS`), and that is complete on disk.
+(`EVALDAG_CHECKPOINT_ROOTS`), and that is complete on disk. A hub model id instead of a folder is refused unless
+its namespace is listed in `EVALDAG_CHECKPOINT_HUB_ORGS` (default: none), and then only pinned to a commit
+(`_hub_model` says why). The job's sampling and engine settings are validated as a request's are.
 
 The trainer side (evaldag/client/notifier.py) does not import this module: it must run without pydantic. Both take their
 rules (train run, benchmark name, step, run id, checkpoint completeness) from evaldag.request.rules.
@@ -19,16 +21,19 @@ from collections.abc import Mapping
 from pathlib import Path, PurePath
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from evaldag.errors import CheckpointError
 from evaldag.request.layouts import hf_folder, step_folder
-from evaldag.request.rules import (BENCHMARK_PATTERN, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_checkpoint,
+from evaldag.request.rules import (MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_benchmark_ref, check_checkpoint,
                            check_decide, describe_errors)
 
 log = logging.getLogger("evaldag.events.checkpoint_event")
 
 ROOTS_ENV = "EVALDAG_CHECKPOINT_ROOTS"
+# Hub namespaces (comma-separated, e.g. "my-org,open-r1") whose models an event may name as org/name@<commit>
+# instead of a folder; unset: none (see _hub_model for why)
+HUB_ORGS_ENV = "EVALDAG_CHECKPOINT_HUB_ORGS"
 # The free-form `extra` of an event ends up in flow-run parameters and the Prefect database: a few settings
 # (limit, notes), not a payload. Measured as compact JSON.
 MAX_EXTRA_BYTES = 16384
@@ -72,9 +77,13 @@ class CheckpointEvent(BaseModel):
     step: int = Field(ge=MIN_STEP, description="training step: the x axis of the MLflow metrics")
     epoch: int | None = Field(None, ge=MIN_STEP)
     train_run: str = Field(pattern=TRAIN_RUN_PATTERN, description="name of the training run")
-    benchmarks: list[Annotated[str, Field(pattern=BENCHMARK_PATTERN)]] | None = Field(
-        None, min_length=1, description="benchmark names (configs/benchmarks/<name>.yaml); None = the default")
-    model: str | None = Field(None, min_length=1)
+    benchmarks: list[Annotated[str, AfterValidator(check_benchmark_ref)]] | None = Field(
+        None, min_length=1, description="benchmark config names or config files' absolute paths; None = the default")
+    sampling: dict | None = Field(None, description="this job's sampling over the benchmark's (n, temperature, "
+                                                    "top_p, max_new_tokens, seed; evaldag.request.config."
+                                                    "SamplingOverrides)")
+    engine_settings: dict | None = Field(None, description="this job's engine settings over the model's "
+                                                           "(evaldag.request.config.EngineSettings)")
     mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)
     final_step: int | None = Field(None, ge=1, description="the job's planned last step, for its forecast")
     decide: str | dict | None = Field(None, description="stop the evaluation early once its verdict against the "
@@ -132,10 +141,13 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     where = f"checkpoint event (train_run={event.train_run}, step={event.step})"
     if event.decide is not None:
         event = event.model_copy(update={"decide": check_decide(event.decide, CheckpointError)})
+    event = event.model_copy(update=_job_settings(event, where))
     extra_size = len(json.dumps(event.extra, separators=(",", ":"), default=str).encode())
     if extra_size > MAX_EXTRA_BYTES:
         raise CheckpointError(f"{where}: extra is {extra_size} bytes of JSON; at most {MAX_EXTRA_BYTES} are accepted "
                               "(it carries a few settings such as limit; keep large data out of the event)")
+    if (hub := _hub_model(raw, where)) is not None:
+        return event.model_copy(update={"path": hub})
     _check_raw_path(raw, where)
     _check_marker(marker)
     if not allowed_roots:
@@ -163,13 +175,72 @@ def validate_checkpoint_event(payload: object, allowed_roots: list[str | Path],
     return event.model_copy(update={"path": str(real)})
 
 
+def _job_settings(event: CheckpointEvent, where: str) -> dict:
+    """The event's sampling and engine settings, validated as a request's are (bounds, known keys, types), as plain
+    dicts of the settings given; whether sampling fits the benchmark's (n > 1 needs temperature > 0) is checked
+    by the evaluation, which knows the benchmark."""
+    from evaldag.request.config import EngineSettings, SamplingOverrides
+
+    out = {}
+    for name, model in (("sampling", SamplingOverrides), ("engine_settings", EngineSettings)):
+        value = getattr(event, name)
+        if value is None:
+            continue
+        try:
+            out[name] = model.model_validate(value).model_dump(exclude_none=True) or None
+        except ValidationError as e:
+            raise CheckpointError(f"{where}: invalid {name}: {describe_errors(e.errors(), top=f'({name})')}") from None
+    return out
+
+
+def job_overrides(event: CheckpointEvent, overrides: Mapping[str, Any] | None = None) -> dict:
+    """The evaluation parameters `sampling` and `engine_settings` of a validated event: the job's own settings over
+    the deployment's (`overrides`, its eval_overrides), setting by setting."""
+    out = {}
+    for name in ("sampling", "engine_settings"):
+        if getattr(event, name):
+            out[name] = {**((overrides or {}).get(name) or {}), **getattr(event, name)}
+    return out
+
+
+def allowed_hub_orgs_from_env() -> list[str]:
+    """The hub namespaces whose models events may name (HUB_ORGS_ENV, comma-separated); [] when unset."""
+    return [o.strip() for o in os.environ.get(HUB_ORGS_ENV, "").split(",") if o.strip()]
+
+
+def _hub_model(raw: str, where: str) -> str | None:
+    """A hub model id (org/name@revision) the event names, when its org is allowed (HUB_ORGS_ENV), else None: the
+    path rules then refuse it (a relative path; _check_raw_path names the hub rule too). Events are untrusted: a hub id reads no local file, but it makes the
+    workers download and run whatever repository it names (any size, any code its config asks for), so only the
+    operator's own namespaces are accepted, and only pinned to a commit, so that the event names one set of
+    weights (the step it announces) and not whatever a branch holds when the evaluation starts."""
+    from evaldag.request.hub_models import parse_hub_id
+
+    if os.path.isabs(raw) or (hub := parse_hub_id(raw)) is None:
+        return None
+    if hub.repo_id.split("/", 1)[0] not in allowed_hub_orgs_from_env():
+        return None
+    if not hub.pinned:
+        raise CheckpointError(f"{where}: hub model {raw!r} names no commit; send org/name@<40-hex commit sha> "
+                              "(the revision the trainer pushed for this step), so that the evaluation reads "
+                              "exactly those weights")
+    return str(hub)
+
+
 def _check_raw_path(raw: str, where: str) -> None:
     """Refuse an event path with a NUL, a relative one, or one with `..` components."""
     if "\0" in raw:
         raise CheckpointError(f"{where}: path contains a NUL character")
     if not os.path.isabs(raw):
+        from evaldag.request.hub_models import parse_hub_id
+
+        hub = parse_hub_id(raw)
+        orgs = ", ".join(allowed_hub_orgs_from_env()) or "none is"
+        as_hub = (f"; as a hub model id it is refused too: events may name hub models only of the namespaces "
+                  f"listed in {HUB_ORGS_ENV} ({orgs}), add {hub.repo_id.split('/')[0]!r} there to allow it"
+                  if hub is not None else "")
         raise CheckpointError(f"{where}: path {raw!r} is not absolute; send the absolute checkpoint folder "
-                              "(CheckpointNotifier.notify does this)")
+                              f"(CheckpointNotifier.notify does this){as_hub}")
     # Checked on the raw string: after normalisation `..` would be gone and the intent to escape hidden.
     if ".." in PurePath(raw).parts:
         raise CheckpointError(f"{where}: path {raw!r} contains '..' components; send the plain absolute folder")
@@ -263,5 +334,6 @@ def discover_checkpoints(root: Path, marker: str | None = None) -> list[tuple[in
     return sorted(kept.values(), key=lambda sp: (sp[0], str(sp[1])))
 
 
-__all__ = ["CheckpointEvent", "STEP_PATTERNS", "ROOTS_ENV", "TRAIN_RUN_PATTERN", "parse_step",
-           "validate_checkpoint_event", "discover_checkpoints", "allowed_roots_from_env"]
+__all__ = ["CheckpointEvent", "STEP_PATTERNS", "ROOTS_ENV", "HUB_ORGS_ENV", "allowed_hub_orgs_from_env",
+           "job_overrides", "TRAIN_RUN_PATTERN", "parse_step", "validate_checkpoint_event", "discover_checkpoints",
+           "allowed_roots_from_env"]

@@ -11,19 +11,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from evaldag.request.config import available
+from evaldag.request.config import available, is_config_file
 from evaldag.errors import ConfigError
 from evaldag.request.keys import NOT_RESULT_SETTINGS, settings_digest
 
 
 def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str]) -> list[str]:
-    """The benchmarks an event asks for (or the configured default set), each checked against configs/."""
+    """The benchmarks an event asks for (or the configured default set), each a known config name (built-in or in
+    $EVALDAG_CONFIGS_DIR) or a config file's path (the evaluation validates the file)."""
     wanted = list(dict.fromkeys(event_benchmarks or default))
     if not wanted:
         raise ConfigError("no benchmark to run: the event names none and the deployment's default_benchmarks is "
                           "empty")
     known = set(available("benchmarks"))
-    unknown = [b for b in wanted if b not in known]
+    unknown = [b for b in wanted if b not in known and not is_config_file(b)]
     if unknown:
         raise ConfigError(f"unknown benchmarks {unknown} in the event; available: {', '.join(sorted(known))}")
     return wanted
@@ -50,10 +51,12 @@ def output_settings(benchmark: str, overrides: Mapping[str, Any] | None,
     ones dropped, sampling completed with the benchmark's defaults (`default_sampling`, else the benchmark config's
     now; so `{"temperature": 0}` on a greedy benchmark is the same request as no override), pass_k sorted and
     deduplicated, eval_loss dropped where it repeats the benchmark's default (`default_eval_loss`, else the config's;
-    so `eval_loss=false` on a benchmark without it is the same request as none). `engine` is left out: the model's resolved engine (`model_settings`) stands for it, so naming the
-    default engine is the same request as naming none. Overrides the config rejects are kept as given: the
-    evaluation flow reports them, a key must not fail first."""
-    out = {k: v for k, v in (overrides or {}).items() if v is not None and k not in IDENTITY and k != "engine"}
+    so `eval_loss=false` on a benchmark without it is the same request as none). `engine` and `engine_settings` are
+    left out: the model's resolved engine and settings (`model_settings`) stand for them, so naming the default
+    engine is the same request as naming none, and a dtype or window the model has anyway changes nothing.
+    Overrides the config rejects are kept as given: the evaluation flow reports them, a key must not fail first."""
+    out = {k: v for k, v in (overrides or {}).items()
+           if v is not None and k not in IDENTITY and k not in ("engine", "engine_settings")}
     if isinstance(out.get("pass_k"), list):
         try:
             out["pass_k"] = sorted(set(out["pass_k"]))
@@ -95,32 +98,39 @@ def _resolve_decide(out: dict[str, Any]) -> None:
         out.update(zip(_DECIDE, resolved))
 
 
-def model_settings(checkpoint: str | Path, engine: str | None = None) -> dict[str, Any]:
-    """What the evaluation flow will resolve `checkpoint` (a folder or a model alias) to run with, without
-    loading or exporting anything: dtype (EVALDAG_DEFAULT_DTYPE or the host's default when the config names none),
-    engine (`engine` override, the config's, EVALDAG_DEFAULT_ENGINE), batch_size, engine_args, and the fingerprint
-    of the folder's contents (evaldag.request.fingerprint: cached by file identity, so a few stat() calls for a checkpoint
-    seen before). The fingerprint is None where no folder is there to hash (a hub or packaged alias, a server, a
-    folder that is gone: the flow names that problem). Never raises: a key must not fail before the flow can say
-    what is wrong."""
+def model_settings(checkpoint: str | Path, engine: str | None = None,
+                   engine_settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the evaluation flow will resolve `checkpoint` (a folder, a model alias or a hub id) to run with, without
+    loading, exporting or downloading anything: dtype (EVALDAG_DEFAULT_DTYPE or the host's default when the config
+    names none), engine (`engine` override, the config's, EVALDAG_DEFAULT_ENGINE), batch_size, engine_args, with a
+    request's `engine_settings` over them (evaldag.request.checkpoint.apply_engine_settings), and the fingerprint of
+    the folder's contents (evaldag.request.fingerprint: cached by file identity, so a few stat() calls for a
+    checkpoint seen before). A hub model is fingerprinted from the snapshot huggingface_hub's cache holds for its
+    revision, if any. The fingerprint is None where no folder is there to hash (a packaged alias, a server, a hub
+    model not in the cache, a folder that is gone: the flow names that problem). Never raises: a key must not fail
+    before the flow can say what is wrong."""
     from evaldag.request import config as cfgmod
-    from evaldag.request.checkpoint import folder_config, run_settings
+    from evaldag.request.checkpoint import apply_engine_settings, checkpoint_kind, folder_config, run_settings
+    from evaldag.request.hub_models import HubId, cached_snapshot
 
     name = str(checkpoint).strip()
     folder: Path | None = None
     try:
-        is_path = os.sep in name or name.startswith((".", "~"))
-        if not is_path and name in cfgmod.available("models"):
-            cfg = cfgmod.load_model(name)
-            folder = Path(cfg.path).expanduser().resolve() if cfg.source == "path" else None
+        kind, what = checkpoint_kind(name)
+        if kind == "alias":
+            cfg = cfgmod.load_model(what)
+            folder = (Path(cfg.path).expanduser().resolve() if cfg.source == "path"
+                      else cached_snapshot(HubId(cfg.hub_id, cfg.revision)) if cfg.source == "hub" else None)
         else:
-            folder = Path(name).expanduser().resolve()
-            cfg = folder_config(folder)
+            folder = cached_snapshot(what) if kind == "hub" else Path(what).resolve()
+            cfg = folder_config(folder or Path(name))
         out: dict[str, Any] = run_settings(cfg)
     except Exception:  # a malformed alias config, a bad EVALDAG_DEFAULT_* value: the flow reports it
         out = {"unresolved": name}
     if engine:
         out["engine"] = engine
+    if "unresolved" not in out and isinstance(engine_settings, Mapping):
+        out = apply_engine_settings(out, dict(engine_settings))
     out["fingerprint"] = None
     if folder is not None and folder.is_dir():
         try:
@@ -154,7 +164,7 @@ def settings_key(benchmark: str, checkpoint: str | Path, overrides: Mapping[str,
     model's resolved settings and fingerprint (`model_settings`, or `model` when the caller has them), minus
     evaldag.request.keys.NOT_RESULT_SETTINGS."""
     if model is None:
-        model = model_settings(checkpoint, (overrides or {}).get("engine"))
+        model = model_settings(checkpoint, (overrides or {}).get("engine"), (overrides or {}).get("engine_settings"))
     return _key(output_settings(benchmark, overrides), _benchmark_settings(benchmark), dict(model))
 
 
@@ -180,7 +190,7 @@ def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], che
     evaluation and starts its own, and so is a checkpoint rewritten in place (its fingerprint is in the key)."""
     names = [benchmark] if isinstance(benchmark, str) else list(benchmark)
     digest = hashlib.sha256(str(checkpoint).encode()).hexdigest()[:16]
-    model = model_settings(checkpoint, (overrides or {}).get("engine"))
+    model = model_settings(checkpoint, (overrides or {}).get("engine"), (overrides or {}).get("engine_settings"))
     settings = "+".join(settings_key(name, checkpoint, overrides, model) for name in names)
     if len(names) > 1:
         settings = hashlib.sha256(settings.encode()).hexdigest()[:16]

@@ -1,4 +1,5 @@
-"""Resolve what `checkpoint` names (a model alias or a Hugging Face-format folder), validate it, fingerprint it.
+"""Resolve what `checkpoint` names (a model alias, a Hugging Face-format folder or a hub model id), validate it,
+fingerprint it, and apply a request's engine settings to it.
 
 Checkpoint folders are untrusted input: a folder a trainer is still writing, or one without weights or tokenizer,
 is refused here with a message that names the missing file, before any generation starts.
@@ -19,7 +20,8 @@ from evaldag.request import config as cfgmod
 from evaldag import paths
 from evaldag.engines import default_engine
 from evaldag.engines.dtype import default_dtype
-from evaldag.errors import CheckpointError
+from evaldag.errors import CheckpointError, ConfigError
+from evaldag.request import hub_models
 from evaldag.request.layouts import hf_folder, step_folder
 from evaldag.request.rules import check_checkpoint
 
@@ -35,6 +37,7 @@ class ResolvedModel:
     engine: str
     batch_size: int
     engine_args: dict = field(default_factory=dict)   # engine-specific settings (ModelConfig.engine_args)
+    hub: str | None = None   # "org/name@<commit>" the folder is the hub cache's snapshot of; None: not from the hub
 
 
 def validate_checkpoint(folder: Path) -> None:
@@ -97,11 +100,7 @@ def prepare_alias(model: cfgmod.ModelConfig) -> Path:
     if model.source == "path":
         return Path(model.path).expanduser().resolve()
     if model.source == "hub":
-        from huggingface_hub import snapshot_download
-        try:
-            return Path(snapshot_download(model.hub_id, revision=model.revision))
-        except Exception as e:
-            raise CheckpointError(f"cannot download {model.hub_id}@{model.revision} from the hub: {e}") from None
+        return hub_models.snapshot(hub_models.HubId(model.hub_id, model.revision))
     gguf = locate_package_file(model.package, model.file)
     digest = _sha256_file(gguf)
     dtype = model.dtype or default_dtype()
@@ -124,26 +123,49 @@ def prepare_alias(model: cfgmod.ModelConfig) -> Path:
     return out
 
 
+def checkpoint_kind(checkpoint: str) -> tuple[str, object]:
+    """What a `checkpoint` string names, without reading any file: ("alias", name) for a config in configs/models,
+    ("folder", Path) for an existing local path or one written as a path (absolute, ./, ~), ("hub", HubId) for an
+    `org/name[@revision]` that is no local path (evaldag.request.hub_models). Raises CheckpointError when it is
+    none of them, naming all three forms."""
+    text = str(checkpoint or "").strip()
+    aliases = ", ".join(cfgmod.available("models"))
+    if not text:
+        raise CheckpointError(f"checkpoint is empty; pass a model alias ({aliases}), a checkpoint folder or a hub "
+                              f"model id ({hub_models.HUB_ID_RULE})")
+    path = Path(text).expanduser()
+    written_as_path = os.path.isabs(text) or text.startswith((".", "~"))
+    if os.sep not in text and "@" not in text and text in cfgmod.available("models"):
+        return "alias", text
+    if written_as_path or path.exists():
+        return "folder", path
+    hub = hub_models.parse_hub_id(text)
+    if hub is not None:
+        return "hub", hub
+    raise CheckpointError(f"checkpoint {text!r} is neither a model alias ({aliases}), nor an existing folder (none "
+                          f"at {path.absolute()}), nor a hub model id ({hub_models.HUB_ID_RULE})")
+
+
 def resolve_model(checkpoint: str) -> ResolvedModel:
-    """Turn a `checkpoint` parameter (alias in configs/models or a folder path) into a validated ResolvedModel."""
-    if not checkpoint or not str(checkpoint).strip():
-        raise CheckpointError("checkpoint is empty; pass a model alias "
-                              f"({', '.join(cfgmod.available('models'))}) or a checkpoint folder")
-    checkpoint = str(checkpoint).strip()
-    looks_like_path = os.sep in checkpoint or checkpoint.startswith(".") or checkpoint.startswith("~")
-    if not looks_like_path and checkpoint in cfgmod.available("models"):
-        alias = cfgmod.load_model(checkpoint)
+    """Turn a `checkpoint` parameter (alias in configs/models, a folder path or a hub id: checkpoint_kind) into a
+    validated ResolvedModel."""
+    kind, what = checkpoint_kind(checkpoint)
+    if kind == "alias":
+        alias = cfgmod.load_model(what)
         if alias.source == "server":
             return _resolve_served(alias)
         folder = prepare_alias(alias)
         validate_checkpoint(folder)
-        return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder),
+        hub = f"{alias.hub_id}@{folder.name}" if alias.source == "hub" else None
+        return ResolvedModel(name=alias.name, path=str(folder), fingerprint=fingerprint(folder), hub=hub,
                              **run_settings(alias))
-    folder = Path(checkpoint).expanduser()
-    if not looks_like_path and not folder.exists():
-        raise CheckpointError(f"checkpoint {checkpoint!r} is neither a model alias "
-                              f"({', '.join(cfgmod.available('models'))}) nor an existing folder")
-    folder = hf_folder(folder.resolve()).resolve()      # verl's global_step_N: its actor/huggingface model
+    if kind == "hub":
+        folder = hub_models.snapshot(what, given=str(checkpoint).strip())
+        validate_checkpoint(folder)
+        # the snapshot folder is named by its commit: the revision asked for (a branch) as the hub resolved it
+        return ResolvedModel(name=what.repo_id, path=str(folder), fingerprint=fingerprint(folder),
+                             hub=f"{what.repo_id}@{folder.name}", **run_settings(folder_config(folder)))
+    folder = hf_folder(what.resolve()).resolve()      # verl's global_step_N: its actor/huggingface model
     validate_checkpoint(folder)
     return ResolvedModel(name=step_folder(folder).name, path=str(folder), fingerprint=fingerprint(folder),
                          **run_settings(folder_config(folder)))
@@ -160,6 +182,49 @@ def run_settings(config: cfgmod.ModelConfig) -> dict:
     (evaldag.events.identity) both take them from here, so both see the same resolved dtype."""
     return {"dtype": config.dtype or default_dtype(), "engine": config.engine or default_engine(),
             "batch_size": config.batch_size, "engine_args": dict(config.engine_args)}
+
+
+# EngineSettings that only the vllm engine takes (dtype is every local engine's)
+VLLM_ONLY_SETTINGS = ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization")
+
+
+def apply_engine_settings(settings: dict, engine_settings: dict | None) -> dict:
+    """`settings` (run_settings' dict: dtype, engine, batch_size, engine_args) with a request's engine settings
+    (EngineSettings' fields) over them: dtype replaces the model's, the others replace its engine_args of that
+    name. Unchecked: with_settings checks first; the trigger keys (evaldag.events.identity) apply them as given."""
+    given = {k: v for k, v in (engine_settings or {}).items() if v is not None}
+    if not given:
+        return settings
+    out = {**settings, "engine_args": {**settings.get("engine_args", {}),
+                                       **{k: v for k, v in given.items() if k != "dtype"}}}
+    if "dtype" in given:
+        out["dtype"] = given["dtype"]
+    return out
+
+
+def with_settings(model: ResolvedModel, settings: cfgmod.EngineSettings | None) -> ResolvedModel:
+    """`model` run with a request's engine settings (over its config's), refused where its engine cannot take them:
+    a served model's server decides all of them, and only vllm takes the vllm ones (VLLM_ONLY_SETTINGS)."""
+    given = settings.given() if settings is not None else {}
+    if not given:
+        return model
+    if model.engine == "openai":
+        raise CheckpointError(f"engine settings {sorted(given)}: model {model.name!r} is served by {model.path}, "
+                              "whose server decides its dtype, parallelism and window; drop them, or restart the "
+                              "server with them (vllm serve --tensor-parallel-size ... --max-model-len ...)")
+    vllm_only = sorted(set(given) & set(VLLM_ONLY_SETTINGS))
+    if vllm_only and model.engine != "vllm":
+        raise CheckpointError(f"engine settings {vllm_only} are the vllm engine's, and this evaluation runs on "
+                              f"engine {model.engine!r}; evaluate with engine vllm (-p engine=vllm) or drop them")
+    run = apply_engine_settings({"dtype": model.dtype, "engine_args": model.engine_args}, given)
+    from evaldag.engines.vllm_args import validate_engine_args
+
+    if model.engine == "vllm":
+        try:
+            validate_engine_args(run["engine_args"])
+        except ConfigError as e:
+            raise CheckpointError(str(e)) from None
+    return replace(model, dtype=run["dtype"], engine_args=run["engine_args"])
 
 
 def _resolve_served(alias: cfgmod.ModelConfig) -> ResolvedModel:
@@ -215,5 +280,6 @@ def with_engine(model: ResolvedModel, engine: str | None) -> ResolvedModel:
     return replace(model, engine=engine)
 
 
-__all__ = ["ResolvedModel", "check_unchanged", "folder_config", "fingerprint", "prepare_alias", "resolve_model",
-           "run_settings", "validate_checkpoint", "with_engine"]
+__all__ = ["ResolvedModel", "VLLM_ONLY_SETTINGS", "apply_engine_settings", "check_unchanged", "checkpoint_kind",
+           "folder_config", "fingerprint", "prepare_alias", "resolve_model", "run_settings", "validate_checkpoint",
+           "with_engine", "with_settings"]

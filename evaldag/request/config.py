@@ -81,7 +81,9 @@ class DatasetSource(_Strict):
             raise ValueError("dataset needs exactly one of `path` (a data file, e.g. {path: /data/mybench.parquet}) "
                              "or `hub_id` (a hub dataset, with its `revision`)")
         if self.path is not None:
-            hub_only = [k for k in ("hub_config", "revision", "split", "mirror") if k in self.model_fields_set]
+            # by value, not by the keys given: a plan holds every field, defaults included (split: test)
+            hub_only = [k for k in ("hub_config", "revision", "mirror") if getattr(self, k) is not None]
+            hub_only += ["split"] if self.split != "test" else []
             if hub_only:
                 raise ValueError(f"dataset.path reads the whole file; {hub_only} belong to a hub dataset "
                                  "(hub_id): drop them")

@@ -39,6 +39,13 @@ NOT_RESULT_SETTINGS: dict[str, str] = {
     "model.engine_args.kv_cache_space_gb": "KV cache size: how many sequences fit at once, throughput",
     "model.engine_args.cpu_offload_gb": "where weights wait between uses (CPU memory); the same weights compute",
     "model.engine_args.distributed_executor_backend": "which process launcher (mp, ray) runs the same workers",
+    # Parallelism: the same weights and sampling spread over more GPUs. Like a batch's composition (which is keyed:
+    # the shards), the order of a sum across GPUs can move a near-tied greedy token; unlike it, an evaluation rerun
+    # on other GPUs is taken to be the same evaluation (issue 52: parallelism is not part of its identity), so that
+    # a job's checkpoints stay comparable and cached when the cluster's layout changes.
+    "model.engine_args.tensor_parallel_size": "GPUs one model is split over (tensor parallelism): speed and memory",
+    "model.engine_args.pipeline_parallel_size": "GPUs one model's layers are spread over (pipeline stages): speed "
+                                                "and memory",
     # ---- openai engine_args: how requests reach the server (which server and model: base_url, model, and the
     # fingerprint, stay in the key)
     "model.engine_args.concurrency": "requests in flight at once: throughput; each request is seeded on its own",

@@ -16,22 +16,24 @@ from pathlib import Path
 from typing import Literal
 
 import polars as pl
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 from upath import UPath
 
 from evaldag import __version__
 from evaldag.storage import store
-from evaldag.request.config import BenchmarkConfig, EngineName, SamplingConfig, load_benchmark, merge_sampling
+from evaldag.request.config import (BenchmarkConfig, EngineName, EngineSettings, SamplingConfig, load_benchmark,
+                                   merge_sampling)
 from evaldag.request.datasets import LoadedBenchmark, load_benchmark_rows
 from evaldag.errors import ConfigError
 from evaldag.request.gpus import shard_gpus
 from evaldag.scoring.eval_loss import EVAL_LOSS_VERSION
 from evaldag.scoring.grading import GRADER_VERSION
 from evaldag.request.keys import result_engine_args
-from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine
+from evaldag.request.checkpoint import ResolvedModel, resolve_model, with_engine, with_settings
 from evaldag.request import adaptive_rules
 from evaldag.request.sharding import plan_shards, plan_split_shards, shard_count, splits_samples
-from evaldag.request.rules import MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, describe_errors
+from evaldag.request.rules import (MIN_LIMIT, MIN_STEP, RUN_ID_PATTERN, TRAIN_RUN_PATTERN, check_benchmark_ref,
+                                   describe_errors)
 from evaldag.storage.schema import INPUT_SCHEMA, read_table, write_table
 from evaldag.decisions.adaptive import AdaptiveSettings
 from evaldag.decisions.verdicts import DEFAULT_ALPHA, DEFAULT_MARGIN
@@ -64,13 +66,18 @@ class EvalRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    benchmark: str = Field(min_length=1)
-    checkpoint: str = Field(DEFAULT_CHECKPOINT, description="model alias from configs/models or a checkpoint folder")
+    benchmark: str = Field(min_length=1, description="a benchmark config's name (built-in or in "
+                                                    "$EVALDAG_CONFIGS_DIR) or a config file's absolute path")
+    checkpoint: str = Field(DEFAULT_CHECKPOINT, description="model alias from configs/models, a checkpoint folder, "
+                                                            "or a hub model id org/name[@revision]")
     step: int = Field(0, ge=MIN_STEP, description="training step of the checkpoint; the x axis in MLflow")
     limit: int | None = Field(None, ge=MIN_LIMIT, description="evaluate only the first `limit` problems")
     num_shards: int | None = Field(None, ge=1, le=4096, description="shard flow runs; default: as many as the gpu "
                                                                     "slots run at once (see shard_count)")
     sampling: dict | None = Field(None, description="overrides of the benchmark's sampling, e.g. {max_new_tokens: 64}")
+    engine_settings: EngineSettings | None = Field(None, description="over the model config's: tensor_parallel_size, "
+                                                                     "max_model_len, gpu_memory_utilization, dtype "
+                                                                     "(evaldag.request.config.EngineSettings)")
     pass_k: list[int] | None = Field(None, description="ks for pass@k and maj@k (each 1 <= k <= n)")
     reference: str | None = Field(None, description="reference model (alias or folder) for KL estimates")
     engine: EngineName | None = Field(None, description="inference engine for this run; default: the model "
@@ -109,6 +116,11 @@ class EvalRequest(BaseModel):
     adaptive: AdaptiveSettings | None = Field(None, description="n0 samples of every problem, then more where the "
                                                                 "outcome is uncertain, up to a sample `budget` or a "
                                                                 "`target_ci_width` (needs engine vllm, temperature > 0)")
+
+    @field_validator("benchmark")
+    @classmethod
+    def _benchmark_ref(cls, ref: str) -> str:
+        return check_benchmark_ref(ref)
 
     @classmethod
     def parse(cls, **params: object) -> "EvalRequest":
@@ -240,7 +252,7 @@ def resolve(request: EvalRequest, results_root: str | PathLike | None = None, nu
     sampling = (merge_sampling(bench.sampling, request.sampling) if adaptive is None
                 else adaptive_rules.first_round_sampling(bench.sampling, request.sampling, adaptive))
     model = resolve_model(request.checkpoint)
-    model = with_engine(model, request.engine)
+    model = with_settings(with_engine(model, request.engine), request.engine_settings)
     data = load_benchmark_rows(bench, request.limit)
     if request.limit and request.limit > data.total_rows:
         raise ConfigError(f"limit {request.limit} is larger than {bench.name}'s {data.total_rows} problems")
@@ -378,10 +390,13 @@ def _pass_k(requested: list[int] | None, configured: list[int] | None, n: int) -
 
 def _default_train_run(checkpoint: str, model: ResolvedModel) -> str:
     """A checkpoint folder belongs to the run folder holding it (/ckpts/run-42/checkpoint-1200 -> run-42; verl's
-    /ckpts/run-42/global_step_100/actor/huggingface -> run-42)."""
+    /ckpts/run-42/global_step_100/actor/huggingface -> run-42); a hub model to its repo (Qwen/Qwen2.5-Math-1.5B at
+    any revision -> Qwen-Qwen2.5-Math-1.5B)."""
     from evaldag.request.layouts import step_folder
     from evaldag.request.rules import train_run_name
 
+    if model.hub is not None:
+        return train_run_name(model.name)
     folder = step_folder(Path(model.path))
     return train_run_name(folder.parent.name if checkpoint != model.name else model.name)
 

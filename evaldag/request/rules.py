@@ -57,12 +57,28 @@ def is_benchmark_name(value: object) -> bool:
     return isinstance(value, str) and re.match(BENCHMARK_PATTERN, value) is not None
 
 
+def is_benchmark_ref(value: object) -> bool:
+    """Whether `value` names a benchmark: a config name (BENCHMARK_PATTERN) or a config file's absolute path
+    (ending in .yaml or .yml; absolute, since the evaluation reads it in another process and folder)."""
+    if is_benchmark_name(value):
+        return True
+    return isinstance(value, str) and value.lower().endswith((".yaml", ".yml")) and os.path.isabs(value)
+
+
+def check_benchmark_ref(value: object, error: type[Exception] = ValueError) -> str:
+    """`value` when it names a benchmark (is_benchmark_ref), else `error` saying what does."""
+    if not is_benchmark_ref(value):
+        raise error(f"benchmark {value!r} is neither a config name (such as math500: lower-case letters, digits, "
+                    "- and _) nor a config file's absolute path ending in .yaml")
+    return value
+
+
 def check_benchmark_names(value: object, error: type[Exception] = ValueError) -> list[str]:
-    """A non-empty list of benchmark names, else `error`."""
+    """A non-empty list of benchmarks (config names or config files' absolute paths), else `error`."""
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
-            or not all(is_benchmark_name(b) for b in value):
-        raise error(f"benchmarks must be a non-empty list of benchmark names such as ['math500', 'gsm8k'], or None "
-                    f"for the deployment's default; got {value!r}")
+            or not all(is_benchmark_ref(b) for b in value):
+        raise error(f"benchmarks must be a non-empty list of benchmark names such as ['math500', 'gsm8k'] or "
+                    f"config files' absolute paths, or None for the deployment's default; got {value!r}")
     return list(value)
 
 
@@ -137,6 +153,35 @@ def decide_overrides(decide: Mapping | None) -> dict:
     out = {"decide": decide["against"]}
     out.update({f"decide_{k}": decide[k] for k in DECIDE_FIELDS if decide.get(k) is not None})
     return out
+
+
+# Per-job settings a trainer may send (the server validates their values: evaldag.request.config.SamplingOverrides
+# and EngineSettings, whose fields tests/test_job_settings.py checks against these names).
+SAMPLING_KEYS: dict[str, tuple[type, ...]] = {"n": (int,), "temperature": (int, float), "top_p": (int, float),
+                                              "max_new_tokens": (int,), "seed": (int,)}
+ENGINE_SETTING_KEYS: dict[str, tuple[type, ...]] = {"tensor_parallel_size": (int,), "max_model_len": (int,),
+                                                    "gpu_memory_utilization": (int, float), "dtype": (str,)}
+
+
+def check_settings(name: str, value: object, allowed: Mapping[str, tuple[type, ...]],
+                   error: type[Exception] = ValueError) -> dict | None:
+    """None, or a mapping of per-job settings whose keys are among `allowed` and whose values have its types (never
+    a bool for a number); returned as a plain dict without None values. Ranges are the server's to check."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise error(f"{name} must be a mapping such as {{{next(iter(allowed))!r}: ...}}, got {value!r}")
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise error(f"{name} has unknown keys {unknown}; allowed: {', '.join(allowed)}")
+    out = {}
+    for key, v in value.items():
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, allowed[key]):
+            raise error(f"{name}.{key}={v!r} must be {' or '.join(t.__name__ for t in allowed[key])}")
+        out[key] = v
+    return out or None
 
 
 def check_checkpoint(folder: str | os.PathLike, error: type[Exception] = ValueError) -> Path:
@@ -221,5 +266,5 @@ def _loc(error: Mapping[str, Any]) -> str:
 
 
 __all__ = ["TRAIN_RUN_PATTERN", "BENCHMARK_PATTERN", "RUN_ID_PATTERN", "MIN_STEP", "MIN_LIMIT", "WEIGHT_FILES",
-           "WEIGHT_INDEXES", "TOKENIZER_FILES", "check_train_run", "is_benchmark_name", "check_benchmark_names",
-           "check_count", "check_step", "check_limit", "check_run_id", "check_checkpoint", "describe_errors"]
+           "WEIGHT_INDEXES", "TOKENIZER_FILES", "check_train_run", "is_benchmark_name", "is_benchmark_ref",
+           "check_benchmark_ref", "check_benchmark_names", "check_count", "check_step", "check_limit", "check_run_id", "check_checkpoint", "describe_errors"]
