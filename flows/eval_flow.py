@@ -38,9 +38,10 @@ from tasks.second_round import second_round_task
 from tasks.track import track_task
 
 
-# persist_result: the summary lands in the result store (the server's default result storage, see
-# evaldag.runtime.prefect_results), so `evaldag run`, a parent flow or any Prefect client can read it back.
-@flow(name=EVAL_FLOW, task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True, persist_result=True)
+# persist_result: the summary lands in the result store (the server's default result storage), as JSON data that
+# `evaldag run` reads back as data (evaldag.runtime.prefect_results.read_result; no task persists a result)
+@flow(name=EVAL_FLOW, task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True, persist_result=True,
+      result_serializer="json")
 def eval_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` works from the CLI
     benchmark: str = "math500",
     checkpoint: str = DEFAULT_CHECKPOINT,

@@ -18,7 +18,8 @@ from evaldag.pipeline.grade import grade_rows
 from tasks.retry import retry_transient
 
 
-@task(name="find-incumbent", retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=retry_transient)
+@task(name="find-incumbent", persist_result=False,
+      retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=retry_transient)
 def find_incumbent(plan_path: str):
     """(per-problem scores, JOB@STEP) of the job's best evaluation so far with the same comparison key, or None."""
     from evaldag.tracking.incumbent import best_so_far

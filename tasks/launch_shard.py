@@ -39,7 +39,7 @@ def _relaunchable(task, task_run, state) -> bool:
     return False
 
 
-@task(name="launch-shard", retries=2, retry_delay_seconds=5, retry_condition_fn=_relaunchable)
+@task(name="launch-shard", persist_result=False, retries=2, retry_delay_seconds=5, retry_condition_fn=_relaunchable)
 def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str | None]:
     """Start one shard flow run for shard `shard_index` of every plan that still needs it, wait for it, and return
     the graded file of each plan (in the order of `plan_paths`; None for a plan its parent decided early and

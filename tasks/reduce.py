@@ -9,7 +9,7 @@ from evaldag.request.plan import load_plan
 from evaldag.pipeline.reduce import reduce_results
 
 
-@task(name="reduce", persist_result=True, retries=0)
+@task(name="reduce", persist_result=False, retries=0)
 def reduce_task(plan_path: str, graded_paths: list[str], only: list[str] | None = None) -> dict:
     """Check one row per (sample, index), compute metrics; returns them. `only`: the problems of an evaluation
     stopped early (evaldag.decisions.decide), when not all of the plan's."""

@@ -7,7 +7,7 @@ from prefect import get_run_logger, task
 from evaldag.request.plan import EvalRequest, resolve
 
 
-@task(name="resolve", persist_result=True, retries=0)
+@task(name="resolve", persist_result=False, retries=0)
 def resolve_task(request: EvalRequest, num_gpus: int = 1) -> str:
     """Validate the request, resolve model and data, write the plan (shards fitting the pool's `num_gpus`); returns
     the plan's path."""

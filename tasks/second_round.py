@@ -12,7 +12,8 @@ from evaldag.storage.schema import GRADED_SCHEMA, read_table
 from tasks.retry import retry_transient
 
 
-@task(name="plan-second-round", retries=2, retry_delay_seconds=[2, 5], retry_condition_fn=retry_transient)
+@task(name="plan-second-round", persist_result=False,
+      retries=2, retry_delay_seconds=[2, 5], retry_condition_fn=retry_transient)
 def second_round_task(plan_path: str, graded_paths: list[str]) -> str | None:
     """The second round's plan path of the adaptive evaluation at `plan_path`, from its first round's graded files;
     None when the design draws no more samples."""

@@ -14,7 +14,7 @@ from evaldag.pipeline.grade import grade_shard
 from tasks.retry import retry_transient
 
 
-@task(name="generate", persist_result=True,
+@task(name="generate", persist_result=False,
       retries=2, retry_delay_seconds=exponential_backoff(5), retry_jitter_factor=0.2,
       retry_condition_fn=retry_transient)
 def generate_task(plan_path: str, shard_index: int) -> str | None:
@@ -25,7 +25,7 @@ def generate_task(plan_path: str, shard_index: int) -> str | None:
     return None if out is None else str(out)
 
 
-@task(name="grade", persist_result=True, retries=1, retry_delay_seconds=2, retry_condition_fn=retry_transient)
+@task(name="grade", persist_result=False, retries=1, retry_delay_seconds=2, retry_condition_fn=retry_transient)
 def grade_task(plan_path: str, shard_index: int) -> str:
     """Grade one shard with math-verify in worker processes with a hard per-item timeout (skipped when its output
     already exists); returns the graded file."""

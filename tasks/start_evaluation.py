@@ -16,7 +16,7 @@ from evaldag.events.identity import checkpoint_tag, evaluation_id
 _PAGE = 200
 
 
-@task(name="start-evaluation", retries=3, retry_delay_seconds=[2, 5, 10])
+@task(name="start-evaluation", persist_result=False, retries=3, retry_delay_seconds=[2, 5, 10])
 def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, train_run: str,
                      overrides: dict | None = None, relaunch_failed: bool = False,
                      include_cancelled: bool = False, adopt_train_run: bool = False) -> dict:

@@ -11,7 +11,7 @@ from evaldag.tracking.write import TrackedRun, track
 from tasks.retry import retry_transient
 
 
-@task(name="track", persist_result=True,
+@task(name="track", persist_result=False,
       retries=4, retry_delay_seconds=exponential_backoff(3), retry_jitter_factor=0.2,
       retry_condition_fn=retry_transient)
 def track_task(plan_path: str, metrics: dict, flow_run_id: str | None) -> TrackedRun:

@@ -1,14 +1,24 @@
-"""Prefect's persisted results in the result store, beside the stage outputs.
+"""Prefect's persisted results in the result store: an evaluation's summary, as JSON data, read as data.
 
-A flow or task result (a shard's graded path, an evaluation's summary) is written by the worker that ran it and
-read by others: the parent flow, `prefect flow-run` tooling, a retry on another node. On a cluster those share
-nothing but the result store, so Prefect's results go there too: `configure` saves a storage block for
-`<store>/prefect-results` (a LocalFileSystem for a folder, a RemoteFileSystem for any other fsspec URL) and makes it
-the server's default result storage, which every client of that server then uses.
+The eval flow's summary (the figures its run measured, which `evaldag run` prints) is written by the cpu worker and
+read by the `evaldag run` process, which shares only the result store with it; so `configure` saves a storage
+block for `<store>/prefect-results` (a LocalFileSystem for a folder, a RemoteFileSystem for any other fsspec URL)
+and makes it the server's default result storage.
+
+Every node can write the result store, so what is read back from it must be data: Prefect's own reader
+(`State.result()`, and the cache lookup a task with a cache policy makes before it runs) decodes a record with the
+serializer the record file itself names, so a planted file unpickles anything (`pickle`), or imports and calls
+whatever its `__class__`/`__exc_type__` names (`json`: `prefect.serializers.prefect_json_object_decoder`). Hence:
+no task persists or caches its result (`persist_result=False`: the store's files are the stages' results), the
+eval flow writes its summary with the `json` serializer (plain JSON types), and `read_result` reads it back with a
+plain JSON parser, never with Prefect's.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from typing import Any
 from uuid import UUID
 
 from evaldag.storage import store
@@ -40,4 +50,41 @@ def configure(api_url: str, results_root: str | None = None) -> UUID:
     return block_id
 
 
-__all__ = ["BLOCK_NAME", "configure", "storage_location"]
+# The key Prefect gives a result it writes (uuid4().hex): anything else in a state is not ours to read.
+_RESULT_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def read_result(state: Any) -> Any | None:
+    """The persisted result of a flow run's final `state`, parsed as plain JSON (dicts, lists, text, numbers; never
+    an object, whatever the record says its serializer is), or None when there is none or it cannot be read from
+    here. The record is found where the state's storage block (read as data from the API) points, else in this
+    process's result store."""
+    data = getattr(state, "data", None)
+    if isinstance(data, dict):
+        key, block_id = data.get("storage_key"), data.get("storage_block_id")
+    else:
+        key, block_id = getattr(data, "storage_key", None), getattr(data, "storage_block_id", None)
+    if not isinstance(key, str) or not _RESULT_KEY.fullmatch(key):
+        return None
+    try:
+        folder = _block_basepath(block_id) if block_id else storage_location()
+        record = json.loads((store.as_path(folder) / key).read_text())
+        result = record.get("result") if isinstance(record, dict) else None
+        return json.loads(result) if isinstance(result, str) else None
+    except Exception:    # a store or server this machine cannot reach, a record that is not JSON
+        return None
+
+
+def _block_basepath(block_id: Any) -> str:
+    """The folder a file-system block stores in, read from the block's document (data: no block class is built)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        document = client.read_block_document(UUID(str(block_id)), include_secrets=False)
+    basepath = document.data.get("basepath")
+    if not isinstance(basepath, str) or not basepath:
+        raise ValueError(f"result storage block {block_id} has no basepath")
+    return basepath
+
+
+__all__ = ["BLOCK_NAME", "configure", "read_result", "storage_location"]
