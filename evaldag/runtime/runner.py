@@ -7,7 +7,7 @@ import time
 
 from evaldag.pipeline import progress
 
-from evaldag.runtime import liveness
+from evaldag.runtime import liveness, prefect_results
 from evaldag.runtime.deployments import benchmark_deployments, eval_deployment
 from evaldag.runtime.run_events import state_changes
 from evaldag.errors import EvalDagError, StackError, redact_url
@@ -110,11 +110,9 @@ def _report_each(console, fr, benchmark: str, wall_s: float, stack: Stack) -> No
 
 def _flow_summary(fr, benchmark: str) -> dict | None:
     """The evaluation's own summary (its persisted result: the figures this flow run measured), or None when the
-    result store cannot be read from here (the MLflow run's figures are shown then)."""
-    try:
-        summary = fr.state.result()
-    except Exception:  # a result store this machine cannot reach
-        return None
+    result store cannot be read from here (the MLflow run's figures are shown then). Read as plain JSON, never by
+    Prefect's reader, which decodes with whatever serializer the file names (evaldag.runtime.prefect_results)."""
+    summary = prefect_results.read_result(fr.state)
     summary = summary.get("benchmarks", {}).get(benchmark, summary) if isinstance(summary, dict) else None
     return summary if isinstance(summary, dict) and isinstance(summary.get("metrics"), dict) else None
 
