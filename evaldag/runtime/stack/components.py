@@ -27,6 +27,12 @@ _MLFLOW_ALLOWED_HOSTS = ("localhost,127.0.0.1,[::1],0.0.0.0,localhost:*,127.0.0.
                          "10.*," + ",".join(f"172.{i}.*" for i in range(16, 32)) + ",fc00:*,fd00:*")
 
 
+# How an MLflow client authenticates and trusts its server: taken from the caller's environment with its
+# MLFLOW_TRACKING_URI (a team's own server), never mixed with the stack's credentials
+MLFLOW_CLIENT_VARS = frozenset({"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                                "MLFLOW_TRACKING_AUTH", "MLFLOW_TRACKING_INSECURE_TLS",
+                                "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_CLIENT_CERT_PATH"})
+
 # MLflow client retries of one request in a flow run (its own default is 7): the track task's backoff retries after
 MLFLOW_RETRIES = 2
 
@@ -124,7 +130,7 @@ class Components:
         passthrough.setdefault("EVALDAG_CHECKPOINT_ROOTS", str(paths.REPO_ROOT / "runs"))
         worker_env = {**passthrough, **common, **repo, **self._worker_runtime_env(),
                       "PREFECT_HOME": str(prefect_home), "PREFECT_API_URL": s.prefect_api_url,
-                      "MLFLOW_TRACKING_URI": s.mlflow_url, **self.client_auth_env({})}
+                      **self.client_auth_env({}), **self._tracking_env()}
         workers = [(CPU_WORKER, CPU_POOL, s.cpu_worker_limit, None)]
         workers += [(f"gpu-worker-{i}", GPU_POOL, 1, ",".join(ids) if ids is not None else None)
                     for i, ids in enumerate(s.gpu_assignment)]
@@ -135,6 +141,25 @@ class Components:
     def _node_specs(self, common: dict[str, str]) -> dict[str, _Spec]:
         """A worker node's gpu workers: the head's Prefect API, its published MLflow URL, result store and
         settings (evaldag.runtime.cluster), the node's `worker_env` over them, and this node's own state folder."""
+        s = self.settings
+        worker_env, passthrough = self._node_worker_env(common)
+        return {name: self._worker_spec(name, GPU_POOL, 1, ",".join(ids) if ids is not None else None, worker_env,
+                                        passthrough)
+                for name, ids in ((f"{s.node_name}-gpu-{i}", ids) for i, ids in enumerate(s.gpu_assignment))}
+
+    def foreground_worker(self, pool: str, name: str) -> _Spec:
+        """The one worker `evaldag worker --foreground` runs in its own process: what a node's `evaldag worker`
+        would start for `pool` (the same module, environment and settings), on the GPUs this process sees (a
+        cluster scheduler's CUDA_VISIBLE_DEVICES is left as it is), with no stack id: nothing of it is recorded or
+        swept, its job's scheduler owns it."""
+        s = self.settings
+        worker_env, passthrough = self._node_worker_env({"EVALDAG_HOME": str(self.home),
+                                                         "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+        limit = 1 if pool == GPU_POOL else s.cpu_worker_limit
+        return self._worker_spec(name, pool, limit, None, worker_env, passthrough)
+
+    def _node_worker_env(self, common: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+        """The environment of a node's workers and the settings passed through to them (see `_node_specs`)."""
         s = self.settings
         info = self._head_info()
         # the block is only as trustworthy as the Prefect API: take what the allow-list names, nothing that could
@@ -152,9 +177,16 @@ class Components:
             if "MLFLOW_TRACKING_URI" in s.worker_env:  # another MLflow than the head's: its credentials stay
                 auth = {"PREFECT_API_AUTH_STRING": auth["PREFECT_API_AUTH_STRING"]}
             worker_env.update(auth)
-        return {name: self._worker_spec(name, GPU_POOL, 1, ",".join(ids) if ids is not None else None, worker_env,
-                                        passthrough)
-                for name, ids in ((f"{s.node_name}-gpu-{i}", ids) for i, ids in enumerate(s.gpu_assignment))}
+        return worker_env, passthrough
+
+    def _tracking_env(self) -> dict[str, str]:
+        """The MLflow server the head's workers log to: settings.tracking_uri (a team's own) when it names another
+        than the stack's, with the auth variables of this environment, not the stack's; else the stack's."""
+        own = (self.settings.tracking_uri or "").strip()
+        if own and own.rstrip("/") != self.settings.mlflow_url:
+            return {"MLFLOW_TRACKING_URI": own, "MLFLOW_TRACKING_USERNAME": "", "MLFLOW_TRACKING_PASSWORD": "",
+                    **{k: v for k, v in os.environ.items() if k in MLFLOW_CLIENT_VARS}}
+        return {"MLFLOW_TRACKING_URI": self.settings.mlflow_url}
 
     def _worker_runtime_env(self) -> dict[str, str]:
         """Prefect and MLflow client settings every worker of this stack (head or node) runs with."""

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -217,6 +217,18 @@ class ProcessSupervisor:
 
 def _reset_sigint() -> None:  # runs in the child between fork and exec
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def exec_foreground(spec: _Spec) -> NoReturn:
+    """Become `spec`'s program (its environment over this process's, in its folder), attached and in the
+    foreground: the scheduler that started this process (an sbatch job's srun, a Kubernetes pod, a systemd unit)
+    then signals the worker itself, which stops as a stack's worker does, and the worker's exit status is the job's."""
+    if prefect_home := spec.env.get("PREFECT_HOME"):  # a job's fresh EVALDAG_HOME: Prefect only warns without it
+        Path(prefect_home).mkdir(parents=True, exist_ok=True)
+    os.chdir(spec.cwd)
+    for sig in (signal.SIGINT, signal.SIGTERM):   # an ignored signal stays ignored across exec (`cmd &` ignores SIGINT)
+        signal.signal(sig, signal.SIG_DFL)
+    os.execve(spec.argv[0], spec.argv, {**os.environ, **spec.env})
 
 
 def _cli(name: str) -> str:
