@@ -103,7 +103,9 @@ def up(
     console = Console(highlight=False)
     stack = Stack(StackSettings.from_env(num_gpus=gpus, tp=tp, host=host, advertise_host=advertise_host,
                                          database_url=database_url, postgres=postgres, heartbeat_s=heartbeat_s,
-                                         api_auth=auth))
+                                         api_auth=auth,
+                                         # a team's MLflow set in this shell gets the evaluations (docs/own-servers.md)
+                                         tracking_uri=os.environ.get("MLFLOW_TRACKING_URI")))
     with console.status(f"starting the local stack in {stack.home} ..."):
         report = stack.up(deploy=not no_deploy)
     print_up(console, stack, report)
@@ -288,9 +290,11 @@ def deploy(
 
 @app.command("prepare-model")
 def prepare_model(
-    alias: Annotated[str, typer.Argument(help="model alias from configs/models")] = "smollm2-135m-instruct",
+    alias: Annotated[str, typer.Argument(help="model alias from configs/models, or a hub model id "
+                                         "org/name[@revision]")] = "smollm2-135m-instruct",
 ) -> None:
-    """Make a model alias ready to load (the default model is exported once from its GGUF); prints its folder."""
+    """Make a model alias ready to load (the default model is exported once from its GGUF), or download a hub
+    model into huggingface_hub's cache; prints its folder."""
     from evaldag.request.checkpoint import resolve_model
 
     model = resolve_model(alias)
@@ -468,12 +472,15 @@ def benchmarks_check(
     console = Console(highlight=False, soft_wrap=True)
     console.print(f"{path}: benchmark [bold]{cfg.name}[/], {data.total_rows} problems from {data.source} "
                   f"(data sha256 {data.dataset_hash[:16]}), gold format {cfg.gold_format}: every row reads")
+    console.print(f"prompt: {cfg.instruction!r}")
+    before, _, after = cfg.instruction.partition("{problem}")
     table = Table(title=f"the first {min(rows, data.total_rows)} rows as the grader reads them")
-    for col in ("id", "prompt", "gold in the data", "gold the grader reads"):
+    for col in ("id", "problem", "gold in the data", "gold the grader reads"):
         table.add_column(col, overflow="fold")
     for r in data.inputs.head(rows).iter_rows(named=True):
-        prompt = r["prompt"] if len(r["prompt"]) <= 160 else r["prompt"][:157] + "..."
-        table.add_row(r["sample_id"], prompt, r["gold_raw"][-80:], r["gold"])
+        problem = r["prompt"][len(before):len(r["prompt"]) - len(after)]
+        problem = problem if len(problem) <= 120 else problem[:117] + "..."
+        table.add_row(r["sample_id"], problem, r["gold_raw"][-80:], r["gold"])
     console.print(table)
     console.print(f"run it: evaldag run {config} --limit 20")
 

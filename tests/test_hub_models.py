@@ -124,3 +124,18 @@ def test_events_name_hub_models_only_of_allowed_namespaces_and_pinned(tmp_path, 
         validate_checkpoint_event({**payload, "path": f"{REPO}@main"}, [tmp_path])
     with pytest.raises(CheckpointError, match="not under an allowed checkpoint root"):   # folders: as before
         validate_checkpoint_event({**payload, "path": "/elsewhere/checkpoint-100"}, [tmp_path])
+
+
+def test_an_unreachable_hub_is_named_with_the_cache_to_fill(tmp_path, monkeypatch):
+    """A hub that refuses connections (a closed local port stands for it) and an empty cache."""
+    from conftest import free_ports
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_ports(1)[0]}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"read as the hub model nobody/nothing@main; .*The hub could not be "
+                                              r"reached, and the hub cache \(.*empty-cache\) has no snapshot of it\. "
+                                              r"Download it once \(`hf download nobody/nothing --revision main`"):
+        resolve_model("nobody/nothing@main")

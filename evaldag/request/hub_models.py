@@ -106,18 +106,22 @@ def snapshot(hub: HubId, given: str | None = None) -> Path:
 
 def _failure(hub: HubId, given: str | None, error: Exception) -> str:
     from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     read_as = (f"checkpoint {given!r} is no model alias and no folder here ({Path.cwd()}), so it was read as the hub "
                f"model {hub}; " if given else f"hub model {hub}: ")
+    download = (f"`hf download {hub.repo_id}{' --revision ' + hub.revision if hub.revision else ''}` where the hub "
+                f"is reachable, with the same HF_HUB_CACHE")
     if constants.HF_HUB_OFFLINE:
         fix = (f"HF_HUB_OFFLINE is set, and the hub cache ({constants.HF_HUB_CACHE}) has no snapshot of it. Download "
-               f"it once where the hub is reachable (`hf download {hub.repo_id}"
-               f"{' --revision ' + hub.revision if hub.revision else ''}` with the same HF_HUB_CACHE), or unset "
-               "HF_HUB_OFFLINE")
-    else:
-        fix = ("check the id and revision on the hub (a gated or private model needs HF_TOKEN), or pass a model "
+               f"it once ({download}), or unset HF_HUB_OFFLINE")
+    elif isinstance(error, (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError)):
+        fix = ("Check the id and revision on the hub (a gated or private model needs HF_TOKEN), or pass a model "
                "alias or an existing checkpoint folder")
+    else:
+        fix = (f"The hub could not be reached, and the hub cache ({constants.HF_HUB_CACHE}) has no snapshot of it. "
+               f"Download it once ({download}), or pass a model alias or an existing checkpoint folder")
     return f"{read_as}it could not be had from the hub ({type(error).__name__}: {reason}). {fix}"
 
 
