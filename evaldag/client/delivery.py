@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,30 @@ def deliver(api_url: str, event: dict, deadline: float | None, timeout_s: float,
             break
         time.sleep(delay)
     return outcome
+
+
+# The flow a checkpoint event's trigger runs (evaldag.runtime.deployments.CHECKPOINT_FLOW; not imported: this
+# package is the standard library only)
+CHECKPOINT_FLOW = "on-checkpoint"
+
+
+def failed_checkpoint_runs(api_url: str, since: datetime, timeout_s: float,
+                           headers: dict[str, str]) -> list[dict] | None:
+    """The on-checkpoint flow runs that failed (or crashed) since `since`, newest first: each the server's flow-run
+    JSON, whose `parameters.event` is the payload of the event it refused and `state.message` the reason. None when
+    the server could not be asked (down, slow, refusing this sender): the caller asks again later."""
+    body = {"flows": {"name": {"any_": [CHECKPOINT_FLOW]}},
+            "flow_runs": {"state": {"type": {"any_": ["FAILED", "CRASHED"]}},
+                          "expected_start_time": {"after_": since.astimezone(timezone.utc).isoformat()}},
+            "sort": "EXPECTED_START_TIME_DESC", "limit": 200}
+    req = urllib.request.Request(f"{api_url}/flow_runs/filter", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with _open(req, timeout_s) as resp:
+            runs = json.loads(resp.read())
+    except (OSError, http.client.HTTPException, ValueError):   # HTTPError is an OSError too
+        return None
+    return runs if isinstance(runs, list) else None
 
 
 def spool_name(event_id: str) -> str:

@@ -1,9 +1,11 @@
-"""Start a deployment run on the local stack, follow it with a live status line, and print its result."""
+"""Start a deployment run on the local stack or a team's own servers, follow it with a live status line, and print
+its result."""
 
 from __future__ import annotations
 
 import os
 import time
+from typing import NamedTuple
 
 from evaldag.pipeline import progress
 
@@ -14,22 +16,56 @@ from evaldag.errors import EvalDagError, StackError, redact_url
 from evaldag.runtime.stack import Stack
 
 
-def point_clients_at_stack(stack: Stack, need_prefect: bool = True) -> None:
-    """Make this process's Prefect and MLflow clients talk to the stack (before prefect is imported).
+class Servers(NamedTuple):
+    """Where this process's clients point: the Prefect UI (None when only MLflow is needed) and MLflow."""
+
+    prefect_ui: str | None
+    mlflow_url: str
+
+
+def point_clients_at_stack(stack: Stack, need_prefect: bool = True) -> Servers:
+    """Point this process's Prefect and MLflow clients at the servers to use (before prefect is imported): a team's
+    own, when PREFECT_API_URL names another server than the local stack's (MLFLOW_TRACKING_URI must be set too;
+    their auth variables are the clients' own), else the local stack, which must be up.
 
     An MLFLOW_TRACKING_URI already set by the user wins for read-only commands (need_prefect=False).
     """
-    if not need_prefect and os.environ.get("MLFLOW_TRACKING_URI"):
-        return
+    api_url, mlflow_url = os.environ.get("PREFECT_API_URL"), os.environ.get("MLFLOW_TRACKING_URI")
+    if not need_prefect and mlflow_url:
+        return Servers(None, redact_url(mlflow_url))
+    state = stack._load_state()
+    stack_api = state["urls"]["prefect"] + "/api" if state else None
+    if api_url and api_url.rstrip("/") != stack_api:
+        if not mlflow_url:
+            raise StackError(f"PREFECT_API_URL is set ({redact_url(api_url)}), so evaldag uses that Prefect server, "
+                             "but MLFLOW_TRACKING_URI is not: set it to the MLflow server the workers log to "
+                             "(docs/own-servers.md), or unset PREFECT_API_URL to use the local stack")
+        return Servers(redact_url(_prefect_ui(api_url)), redact_url(mlflow_url))   # shown, never used to connect
     status = stack.status()
     unhealthy = [r.component for r in status if not r.healthy]
     if not status or unhealthy:
         raise StackError(f"the local stack in {stack.home} is not up"
                          f"{' (unhealthy: ' + ', '.join(unhealthy) + ')' if unhealthy else ''}; "
-                         "start it with `evaldag up`")
+                         "start it with `evaldag up`, or set PREFECT_API_URL and MLFLOW_TRACKING_URI to use your "
+                         "own servers (docs/own-servers.md)")
     os.environ["PREFECT_API_URL"] = stack.prefect_url + "/api"
     os.environ["MLFLOW_TRACKING_URI"] = stack.mlflow_url
     os.environ.update(stack.client_auth_env())   # a stack with API auth (`evaldag up --auth`) lets nobody in without
+    return Servers(stack.prefect_url, stack.mlflow_url)
+
+
+def _prefect_ui(api_url: str) -> str:
+    """The Prefect UI of an API URL: a self-hosted server's is the API's address without /api (Prefect Cloud's
+    is another host; prefect's own ui_url setting knows it once prefect is imported, see `_ui_url`)."""
+    url = api_url.rstrip("/")
+    return url[:-len("/api")] if url.endswith("/api") else url
+
+
+def _ui_url(servers: Servers) -> str:
+    """The UI links are built on: prefect's ui_url setting (PREFECT_UI_URL, or what it infers for Prefect Cloud)."""
+    from prefect.settings import get_current_settings
+
+    return (get_current_settings().ui_url or servers.prefect_ui or "").rstrip("/")
 
 
 # Off a terminal (a log file, CI, nohup) `evaldag run` prints a progress line this often.
@@ -64,7 +100,7 @@ def benchmark_names(text: str, error: type[Exception] = ValueError) -> list[str]
 def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
     """Run eval/<benchmark> with `params` (eval/suite with `benchmarks` in params: one engine load per gpu slot for
     all of them), wait for it, and print each benchmark's metrics and where to look."""
-    point_clients_at_stack(stack)
+    servers = point_clients_at_stack(stack)
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from rich.console import Console
@@ -75,8 +111,10 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
         fr = run_deployment(name, parameters=params, timeout=0)
     except Exception as e:  # prefect raises ObjectNotFound for an unknown deployment
         raise EvalDagError(f"cannot start {name}: {e}. Deployed benchmarks are "
-                           f"{', '.join(benchmark_deployments())} (run `evaldag up` to redeploy)") from None
-    url = f"{stack.prefect_url}/runs/flow-run/{fr.id}"
+                           f"{', '.join(benchmark_deployments())} (run `evaldag up`, or `evaldag deploy` on your "
+                           "own servers, to redeploy)") from None
+    ui = _ui_url(servers)
+    url = f"{ui}/runs/flow-run/{fr.id}"
     console.print(f"started {name} as flow run [bold]{fr.name}[/] ({url})")
     t0 = time.monotonic()
     try:
@@ -98,14 +136,14 @@ def run_and_report(stack: Stack, benchmark: str, params: dict) -> None:
         return
     if not fr.state.is_completed():
         raise EvalDagError(f"{name} ended {fr.state.name}: {fr.state.message} (logs: {url})")
-    _report_each(console, fr, benchmark, time.monotonic() - t0, stack)
+    _report_each(console, fr, benchmark, time.monotonic() - t0, servers._replace(prefect_ui=ui))
 
 
-def _report_each(console, fr, benchmark: str, wall_s: float, stack: Stack) -> None:
+def _report_each(console, fr, benchmark: str, wall_s: float, servers: Servers) -> None:
     """The result of each benchmark the flow run evaluated: eval/suite's are its `benchmarks` parameter (the
     deployment's default unless the run named them), any other deployment's is its own."""
     for each in fr.parameters.get("benchmarks") or [benchmark]:
-        _print_result(console, each, str(fr.id), _flow_summary(fr, each), wall_s, stack)
+        _print_result(console, each, str(fr.id), _flow_summary(fr, each), wall_s, servers)
 
 
 def _flow_summary(fr, benchmark: str) -> dict | None:
@@ -196,7 +234,7 @@ def cancel_flow_run(flow_run_id) -> int:
 
 
 def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | None, wall_s: float,
-                  stack: Stack) -> None:
+                  servers: Servers) -> None:
     from mlflow import MlflowClient
     from rich.table import Table
 
@@ -208,7 +246,7 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
             for r in client.search_runs([exp.experiment_id], filter_string=f"tags.`{tag}` = '{flow_run_id}'")]
     if not runs:
         console.print(f"completed in {wall_s:.0f} s, but no MLflow run names this flow run; see "
-                      f"{redact_url(stack.mlflow_url)}")
+                      f"{redact_url(servers.mlflow_url)}")
         return
     run = runs[0]
     computed = summary["metrics"] if summary else None
@@ -232,8 +270,8 @@ def _print_result(console, benchmark: str, flow_run_id: str, summary: dict | Non
     for line in verdict_lines(run.data.tags, run.data.metrics):
         console.print(line)
     console.print(f"completed in {wall_s:.0f} s")
-    console.print(f"Prefect UI: {stack.prefect_url}/runs/flow-run/{flow_run_id}")
-    console.print(f"MLflow UI:  {run_url(stack.mlflow_url, exp.experiment_id, run.info.run_id)}")
+    console.print(f"Prefect UI: {servers.prefect_ui}/runs/flow-run/{flow_run_id}")
+    console.print(f"MLflow UI:  {run_url(servers.mlflow_url, exp.experiment_id, run.info.run_id)}")
     jobs = client.get_experiment_by_name(JOBS_EXPERIMENT)
     if jobs is not None:
-        console.print(f"training jobs side by side: {charts_url(stack.mlflow_url, jobs.experiment_id)}")
+        console.print(f"training jobs side by side: {charts_url(servers.mlflow_url, jobs.experiment_id)}")

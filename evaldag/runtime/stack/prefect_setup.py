@@ -1,6 +1,10 @@
 """What the stack sets up on its Prefect server over HTTP: health checks, the `cpu`/`gpu` process work pools, the
 `evaldag-gpus` concurrency limit, result storage, crash automation, the cluster block, and `prefect deploy`; and
-waiting until workers register."""
+waiting until workers register.
+
+What any Prefect server needs for evaldag (pools, the gpu limit, the crash automation, the deployments) is in
+module-level functions (`ensure_pools`, `ensure_gpu_limit`, `deploy_manifest`, `register`), which the stack and
+`evaldag deploy` on a team's own server (docs/own-servers.md) both call."""
 
 from __future__ import annotations
 
@@ -76,6 +80,101 @@ def _head_pool_problem(server: str, status: int, body: str) -> str | None:
             "that redirects or proxies it elsewhere)")
 
 
+def deploy_manifest(env: dict[str, str], log: Path | None = None, manifest: Path = MANIFEST) -> None:
+    """`prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml` from the repository root, with
+    `env` (PREFECT_API_URL and its auth, EVALDAG_REPO): its output to `log`, or to this terminal when None."""
+    if not manifest.exists():
+        raise StackError(f"no deployment manifest at {manifest}; nothing to deploy "
+                         "(use `evaldag up --no-deploy` to start the stack without deploying)")
+    argv = [_cli("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(manifest)]
+    out = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "wb")   # noqa: SIM115 - closed below
+        out.write(f"$ {shlex.join(argv)}\n".encode())
+        out.flush()
+    where = f"; last lines of {log}:\n" if log is not None else " (its output is above)"
+    try:
+        proc = subprocess.run(argv, cwd=paths.REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                              stderr=subprocess.STDOUT if out else None, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise StackError(f"`prefect deploy` took more than 600 s{where}{_tail(log) if log else ''}") from None
+    finally:
+        if out is not None:
+            out.close()
+    if proc.returncode != 0:
+        raise StackError(f"`prefect deploy` failed (exit code {proc.returncode}){where}{_tail(log) if log else ''}")
+
+
+def register(api_url: str, headers: dict[str, str], num_gpus: int, heartbeat_s: int,
+             missed_heartbeats: int = cluster.MISSED_HEARTBEATS) -> None:
+    """Everything evaldag's flows need on a Prefect server besides the deployments: the `cpu` and `gpu` pools, the
+    gpu concurrency limit (`num_gpus` slots) and the crash automation for runs whose heartbeats stop. Idempotent.
+    The server's default result storage is left alone: on a shared server it is everybody's."""
+    ensure_pools(api_url, headers)
+    ensure_gpu_limit(api_url, headers, num_gpus)
+    cluster.ensure_crash_automation(api_url, heartbeat_s, missed_heartbeats)
+
+
+def ensure_pools(api_url: str, headers: dict[str, str]) -> None:
+    """Create the process work pools `cpu` and `gpu` if missing: Prefect's default process job template, whose
+    flow runs start with FLOW_RUN_COMMAND. A pool that exists without a command gets it; one with a command of
+    its own keeps it."""
+    with httpx.Client(base_url=api_url, timeout=30, transport=_RetryBusy(), headers=headers) as client:
+        for pool in POOLS:
+            r = client.get(f"/work_pools/{pool}")
+            if r.status_code == 200:
+                _update_pool(client, pool, r.json())
+                continue
+            if r.status_code in (401, 403):
+                raise StackError(f"the Prefect server at {api_url} refused access (HTTP {r.status_code}); set "
+                                 "PREFECT_API_AUTH_STRING (USER:PASSWORD) or PREFECT_API_KEY to what it accepts")
+            from prefect.workers.process import ProcessWorker  # ~1 s import, only when a pool is missing
+
+            template = ProcessWorker.get_default_base_job_template()
+            template["variables"]["properties"]["command"]["default"] = FLOW_RUN_COMMAND
+            r = client.post("/work_pools/", json={
+                "name": pool, "type": "process", "base_job_template": template,
+                "description": f"evaldag {'parent flows' if pool == CPU_POOL else 'shard flows, one per GPU'}"})
+            if r.status_code not in (200, 201, 409):
+                raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
+
+
+def _update_pool(client: httpx.Client, pool: str, existing: dict) -> None:
+    """Check that an existing pool is a process pool; give it FLOW_RUN_COMMAND if it has no command or one that
+    an earlier evaldag set (_FORMER_COMMANDS); a command of the user's own stays."""
+    if existing.get("type") != "process":
+        raise StackError(f"work pool {pool!r} exists with type {existing.get('type')!r}, expected "
+                         f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
+    template = existing.get("base_job_template") or {}
+    command = template.get("variables", {}).get("properties", {}).get("command")
+    if command is not None and (command.get("default") is None or command["default"] in _FORMER_COMMANDS):
+        command["default"] = FLOW_RUN_COMMAND
+        r = client.patch(f"/work_pools/{pool}", json={"base_job_template": template})
+        if r.status_code not in (200, 204):
+            raise StackError(f"could not update work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
+
+
+def ensure_gpu_limit(api_url: str, headers: dict[str, str], num_gpus: int, reset_slots: bool = False) -> None:
+    """Create or update the global concurrency limit GPU_LIMIT: one slot per GPU of the `gpu` pool.
+
+    Shard flows hold `tensor_parallel_size` slots of it while generating (tasks/gpu_slots.py). With no GPUs
+    (--gpus 0) the limit is made inactive, which Prefect treats as unlimited, so inline shards still run.
+    """
+    body: dict[str, Any] = {"limit": num_gpus, "active": num_gpus > 0}
+    if reset_slots:
+        body.update(active_slots=0, denied_slots=0)
+    with httpx.Client(base_url=api_url, timeout=30, transport=_RetryBusy(), headers=headers) as client:
+        r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
+        if r.status_code == 404:
+            r = client.post("/v2/concurrency_limits/", json={"name": GPU_LIMIT, **body})
+            if r.status_code == 409:  # created meanwhile by another client: update it
+                r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
+        if r.status_code not in (200, 201, 204):
+            raise StackError(f"could not create or update the concurrency limit {GPU_LIMIT!r}: "
+                             f"HTTP {r.status_code} {r.text[:500]}")
+
+
 class PrefectSetup:
     """The Prefect server side of the stack (a part of `evaldag.runtime.stack.Stack`)."""
 
@@ -92,25 +191,9 @@ class PrefectSetup:
         state = self._load_state()
         if not state or not self._alive(state["components"].get(PREFECT_SERVER, {})):
             raise StackError("the Prefect server of the local stack is not running; start it with `evaldag up`")
-        if not self.deployments_file.exists():
-            raise StackError(f"no deployment manifest at {self.deployments_file}; nothing to deploy "
-                             "(use `evaldag up --no-deploy` to start the stack without deploying)")
-        log = self.logs_dir / "deploy.log"
-        argv = [_cli("prefect"), "--no-prompt", "deploy", "--all", "--prefect-file", str(self.deployments_file)]
         env = {**os.environ, **self._client_env(state), "PREFECT_HOME": str(self.home / "prefect"),
                "EVALDAG_REPO": _repo()}
-        self.logs_dir.mkdir(parents=True, exist_ok=True)
-        with open(log, "wb") as out:
-            out.write(f"$ {shlex.join(argv)}\n".encode())
-            out.flush()
-            try:
-                proc = subprocess.run(argv, cwd=paths.REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                      stderr=subprocess.STDOUT, timeout=600)
-            except subprocess.TimeoutExpired:
-                raise StackError(f"`prefect deploy` took more than 600 s; see {log}:\n{_tail(log)}") from None
-        if proc.returncode != 0:
-            raise StackError(f"`prefect deploy` failed (exit code {proc.returncode}); last lines of {log}:\n"
-                             f"{_tail(log)}")
+        deploy_manifest(env, self.logs_dir / "deploy.log", self.deployments_file)
 
     def _server_healthy(self, name: str, url: str, timeout: float = 2.0) -> bool:
         if name == POSTGRES:
@@ -161,61 +244,12 @@ class PrefectSetup:
             cluster.unpublish(self.settings.prefect_api_url)
 
     def _ensure_pools(self) -> None:
-        """Create the process work pools `cpu` and `gpu` if missing: Prefect's default process job template, whose
-        flow runs start with FLOW_RUN_COMMAND. A pool that exists without a command gets it; one with a command of
-        its own keeps it."""
-        api = self.settings.prefect_api_url
-        with httpx.Client(base_url=api, timeout=30, transport=_RetryBusy(), headers=self._api_headers()) as client:
-            for pool in POOLS:
-                r = client.get(f"/work_pools/{pool}")
-                if r.status_code == 200:
-                    self._update_pool(client, pool, r.json())
-                    continue
-                from prefect.workers.process import ProcessWorker  # ~1 s import, only when a pool is missing
+        ensure_pools(self.settings.prefect_api_url, self._api_headers())
 
-                template = ProcessWorker.get_default_base_job_template()
-                template["variables"]["properties"]["command"]["default"] = FLOW_RUN_COMMAND
-                r = client.post("/work_pools/", json={
-                    "name": pool, "type": "process", "base_job_template": template,
-                    "description": f"evaldag {'parent flows' if pool == CPU_POOL else 'shard flows, one per GPU'}"})
-                if r.status_code not in (200, 201, 409):
-                    raise StackError(f"could not create work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
-
-    @staticmethod
-    def _update_pool(client: httpx.Client, pool: str, existing: dict) -> None:
-        """Check that an existing pool is a process pool; give it FLOW_RUN_COMMAND if it has no command or one that
-        an earlier evaldag set (_FORMER_COMMANDS); a command of the user's own stays."""
-        if existing.get("type") != "process":
-            raise StackError(f"work pool {pool!r} exists with type {existing.get('type')!r}, expected "
-                             f"'process'; delete it (prefect work-pool delete {pool}) and run up again")
-        template = existing.get("base_job_template") or {}
-        command = template.get("variables", {}).get("properties", {}).get("command")
-        if command is not None and (command.get("default") is None or command["default"] in _FORMER_COMMANDS):
-            command["default"] = FLOW_RUN_COMMAND
-            r = client.patch(f"/work_pools/{pool}", json={"base_job_template": template})
-            if r.status_code not in (200, 204):
-                raise StackError(f"could not update work pool {pool!r}: HTTP {r.status_code} {r.text[:500]}")
+    _update_pool = staticmethod(_update_pool)
 
     def _ensure_gpu_limit(self, reset_slots: bool = False) -> None:
-        """Create or update the global concurrency limit GPU_LIMIT: one slot per GPU of the `gpu` pool.
-
-        Shard flows hold `tensor_parallel_size` slots of it while generating (tasks/gpu_slots.py). With no GPUs
-        (--gpus 0) the limit is made inactive, which Prefect treats as unlimited, so inline shards still run.
-        """
-        n = self.settings.num_gpus
-        body: dict[str, Any] = {"limit": n, "active": n > 0}
-        if reset_slots:
-            body.update(active_slots=0, denied_slots=0)
-        with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, transport=_RetryBusy(),
-                          headers=self._api_headers()) as client:
-            r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
-            if r.status_code == 404:
-                r = client.post("/v2/concurrency_limits/", json={"name": GPU_LIMIT, **body})
-                if r.status_code == 409:  # created meanwhile by another client: update it
-                    r = client.patch(f"/v2/concurrency_limits/{GPU_LIMIT}", json=body)
-            if r.status_code not in (200, 201, 204):
-                raise StackError(f"could not create or update the concurrency limit {GPU_LIMIT!r}: "
-                                 f"HTTP {r.status_code} {r.text[:500]}")
+        ensure_gpu_limit(self.settings.prefect_api_url, self._api_headers(), self.settings.num_gpus, reset_slots)
 
     def _check_head_pools(self) -> None:
         with httpx.Client(base_url=self.settings.prefect_api_url, timeout=30, headers=self._api_headers()) as client:

@@ -106,6 +106,10 @@ class StackSettings(BaseModel):
                            description="Name of a worker node (EVALDAG_NODE_NAME): prefix of its workers' names.")
     worker_env: dict[str, str] = Field(default_factory=dict, description="Variables a worker node's workers get "
                                        "over the head's (`evaldag worker --env K=V`, --mlflow-url, --results-url).")
+    tracking_uri: str | None = Field(
+        None, description="MLflow server the head's workers log to instead of the stack's own: a team's tracking "
+        "server (`evaldag up` takes MLFLOW_TRACKING_URI from its environment); its credentials "
+        "(MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN) come from the environment too.")
     api_auth: str | None = Field(
         None, repr=False, description="USER:PASSWORD both servers of a head require (`--auth`, EVALDAG_API_AUTH): "
         "Prefect's PREFECT_SERVER_API_AUTH_STRING, MLflow's basic-auth admin. Required on a head started for "
