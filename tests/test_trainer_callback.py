@@ -147,6 +147,8 @@ def test_only_the_world_main_process_announces(tmp_path, events):
     ({"limit": 0}, "limit must be >= 1"),
     ({"train_run": "a/b"}, "train_run must match"),
     ({"decide": "vs_worst"}, "vs_worst"),
+    ({"api_url": "localhost:4200/api"}, "api_url must be an http"),      # on every rank, before training starts
+    ({"max_block_s": 0}, "max_block_s must be > 0"),
 ])
 def test_bad_options_are_refused_when_the_callback_is_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -177,3 +179,65 @@ def test_an_active_run_id_the_event_would_refuse_is_left_out(monkeypatch):
     assert active_mlflow_run_id() is None
     monkeypatch.delitem(sys.modules, "mlflow")
     assert active_mlflow_run_id() is None
+
+
+def _trainer_events() -> list[str]:
+    """Every event a Trainer sends its callbacks (TrainerCallback's on_* methods), by name."""
+    from transformers import TrainerCallback
+
+    return sorted(name for name in vars(TrainerCallback) if name.startswith("on_"))
+
+
+# Settings found wrong only once training runs, on the world's main process alone: raised into the Trainer there,
+# the other ranks would wait in their next collective until the NCCL timeout (issue 51 item 5).
+BAD_SETTINGS = {
+    "PREFECT_API_URL without its scheme": ({"PREFECT_API_URL": "127.0.0.1:4200/api"}, "out"),
+    "an output folder the event refuses": ({}, "out\0put"),
+}
+
+
+@pytest.mark.parametrize("bad", BAD_SETTINGS)
+def test_no_trainer_event_raises_a_bad_setting_warns_once_and_turns_the_callback_off(bad, tmp_path, monkeypatch,
+                                                                                     events, caplog):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    env, folder = BAD_SETTINGS[bad]
+    monkeypatch.setenv("PREFECT_API_URL", events.url)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cb = EvaldagCallback(spool_dir=tmp_path / "spool")
+    args = TrainingArguments(output_dir=str(tmp_path / folder), report_to=[], use_cpu=True)
+    state = TrainerState(is_world_process_zero=True, global_step=2, max_steps=4, epoch=0)
+    with caplog.at_level("WARNING", logger="evaldag"):
+        for name in _trainer_events():
+            getattr(cb, name)(args, state, TrainerControl(), metrics={}, logs={})
+        after_first = (cb.saves, cb.notifier, list(cb.announced))
+        for name in _trainer_events() * 2:              # turned off: every later event is a no-op
+            getattr(cb, name)(args, state, TrainerControl(), metrics={}, logs={})
+    warned = [r for r in caplog.records if r.name.startswith("evaldag") and r.levelname == "WARNING"]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert "turned off" in warned[0].getMessage()
+    assert (cb.saves, cb.notifier, cb.announced) == after_first and cb.announced == []
+    assert events.events() == [] and not list((tmp_path / "spool").glob("*.json"))
+
+
+def test_training_runs_to_its_end_with_a_malformed_prefect_api_url(tiny, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PREFECT_API_URL", "localhost:4200/api")
+    cb = EvaldagCallback(spool_dir=tmp_path / "spool")
+    with caplog.at_level("WARNING", logger="evaldag"):
+        trainer = _train(tiny, tmp_path / "bad-url", cb)
+    assert trainer.state.global_step == 4 and cb.announced == []
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("evaldag") and r.levelname == "WARNING"]
+    assert len(warned) == 1 and "localhost:4200/api" in warned[0], warned
+
+
+def test_a_run_name_that_is_the_output_folder_names_the_job_after_the_folder(tmp_path):
+    """Older transformers default `run_name` to `output_dir`: a path, which would name the job after the whole path
+    ("tmp-...-sft-7")."""
+    from transformers import TrainingArguments
+
+    out = tmp_path / "sft-7"
+    args = TrainingArguments(output_dir=str(out), run_name=str(out), report_to=[], use_cpu=True)
+    assert EvaldagCallback().job_name(args) == "sft-7"
+    args = TrainingArguments(output_dir=str(out), run_name="grpo 7", report_to=[], use_cpu=True)
+    assert EvaldagCallback().job_name(args) == "grpo-7"

@@ -5,10 +5,14 @@ to evaldag and evaluated by itself.
 
 On `on_save`, on the world's main process only, the callback announces `<output_dir>/checkpoint-<global_step>` at
 `state.global_step` through `CheckpointNotifier` (never blocking training for more than `max_block_s`, never
-failing it: events the server cannot take are spooled and re-sent). The job is named after `args.run_name`, or the
-output folder; its planned last step (`state.max_steps`) travels with every event, so the job's forecast needs no
-setting. When the trainer logs to MLflow (transformers' `MLflowCallback`, or a run the script started), the event
-names that run as `mlflow_parent_run_id`: the evaluations' accuracy curves land in the run that holds the loss.
+failing it: events the server cannot take are spooled and re-sent). No Trainer event raises: a setting refused once
+training runs (a malformed PREFECT_API_URL) is warned about once and turns the callback off, since raised on the
+main process alone it would leave the other ranks waiting in their next collective until the NCCL timeout.
+
+The job is named after `args.run_name`, or the output folder; its planned last step (`state.max_steps`) travels with
+every event, so the job's forecast needs no setting. When the trainer logs to MLflow (transformers'
+`MLflowCallback`, or a run the script started), the event names that run as `mlflow_parent_run_id`: the evaluations'
+accuracy curves land in the run that holds the loss.
 
 transformers is imported when a callback is built, not when this module is: `evaldag.client` stays importable with
 the standard library.
@@ -20,10 +24,13 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from evaldag.client.delivery import check_api_url
 from evaldag.client.notifier import CheckpointNotifier, EvalTrigger
+from evaldag.client.trigger import positive
 from evaldag.request.rules import (ENGINE_SETTING_KEYS, SAMPLING_KEYS, check_benchmark_names, check_decide,
                                    check_limit, check_run_id, check_settings, check_train_run, train_run_name)
 
@@ -40,6 +47,25 @@ def _trainer_class() -> type:
                           "`pip install transformers` (or use CheckpointNotifier from your own loop)") from None
     return type("EvaldagCallback", (EvaldagCallback, TrainerCallback), {"__module__": __name__,
                                                                         "__doc__": EvaldagCallback.__doc__})
+
+
+def _never_raises(handler: Callable[..., None]) -> Callable[..., None]:
+    """A Trainer event handler that never raises into training (see the module docstring). What raises past the
+    notifier, which keeps network and disk faults to itself, is a setting it refuses and would raise again at every
+    save: it is logged once, as a warning, and the callback is off from then on."""
+
+    @functools.wraps(handler)
+    def guarded(self: EvaldagCallback, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.off:
+            return
+        try:
+            handler(self, args, state, control, **kwargs)
+        except Exception as e:  # noqa: BLE001 - evaluation is a side job: training goes on whatever happens here
+            self.off = True
+            log.warning("evaldag: EvaldagCallback turned off, no checkpoint of this run is announced from here on "
+                        "(training goes on): %s", e, exc_info=True)
+
+    return guarded
 
 
 class EvaldagCallback:
@@ -85,6 +111,9 @@ class EvaldagCallback:
         if final_step is not None and (isinstance(final_step, bool) or not isinstance(final_step, int)
                                        or final_step < 1):
             raise ValueError(f"final_step must be an int >= 1 or None, got {final_step!r}")
+        # the notifier's own checks, made here too: on every rank, before training, not on the main process alone
+        check_api_url(api_url)
+        positive("max_block_s", max_block_s, float)
         self.every_saves, self.trigger, self.train_run = every_saves, trigger, train_run
         self.mlflow_parent_run_id, self.final_step = mlflow_parent_run_id, final_step
         self._notifier_options = {"api_url": api_url, "spool_dir": spool_dir, "max_block_s": max_block_s,
@@ -94,13 +123,25 @@ class EvaldagCallback:
         self.notifier: CheckpointNotifier | None = None
         self.saves = 0
         self.announced: list[str] = []      # event ids, in order
+        self.off = False                    # a setting was refused: every later event is a no-op
 
     # -- Trainer events ----------------------------------------------------------------------------------------
 
+    @_never_raises
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Build the notifier for this job: its name and final step are known now."""
-        if not state.is_world_process_zero:
-            return
+        if state.is_world_process_zero:
+            self._start(args, state)
+
+    @_never_raises
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Announce the checkpoint the Trainer has just written, when this save is due."""
+        if state.is_world_process_zero:
+            self._announce(args, state)
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+
+    def _start(self, args: Any, state: Any) -> None:
         if getattr(args, "save_total_limit", None):
             log.warning("save_total_limit=%s deletes older checkpoints while their evaluations may still be queued; "
                         "those evaluations then fail as 'folder is gone'. Leave it unset, or keep evaluations "
@@ -109,17 +150,6 @@ class EvaldagCallback:
         self.notifier = CheckpointNotifier(self.job_name(args), benchmarks=self.benchmarks, final_step=final,
                                            decide=self.decide, mlflow_parent_run_id=self.mlflow_parent_run_id,
                                            **self._notifier_options)
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Announce the checkpoint the Trainer has just written, when this save is due."""
-        if not state.is_world_process_zero:
-            return
-        try:
-            self._announce(args, state)
-        except Exception:  # noqa: BLE001 - evaluation is a side job: training goes on whatever happens here
-            log.exception("evaldag: checkpoint at step %s was not announced", state.global_step)
-
-    # -- helpers -----------------------------------------------------------------------------------------------
 
     def job_name(self, args: Any) -> str:
         """The job's name: `train_run`, else the Trainer's `run_name`, else its output folder's name (either made
@@ -144,7 +174,7 @@ class EvaldagCallback:
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         if self.notifier is None:      # a save before on_train_begin (a subclass calling on_save itself)
-            self.on_train_begin(args, state, None)
+            self._start(args, state)
         self.notifier.mlflow_parent_run_id = self.mlflow_parent_run_id or active_mlflow_run_id()
         folder = os.path.join(os.path.abspath(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         extra = {"limit": self.limit} if self.limit is not None else {}
