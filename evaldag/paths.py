@@ -19,10 +19,11 @@ def models_dir() -> Path:
     return Path(env).expanduser().resolve() if env else home() / "models"
 
 
-def configs_dir() -> Path:
-    """Benchmark and model configs: `$EVALDAG_CONFIGS_DIR`, default `configs/` of this repository."""
+def user_configs_dir() -> Path | None:
+    """The user's benchmark and model configs (`$EVALDAG_CONFIGS_DIR`, holding benchmarks/ and models/), looked up
+    before the built-ins in configs/ of this repository (evaldag.request.config.config_folders); None when unset."""
     env = os.environ.get("EVALDAG_CONFIGS_DIR")
-    return Path(env).expanduser().resolve() if env else REPO_ROOT / "configs"
+    return Path(env).expanduser().resolve() if env else None
 
 
 def data_dir() -> Path | None:

@@ -68,5 +68,5 @@ def test_field_missing_from_data_is_named(tmp_path, monkeypatch):
     (tmp_path / "aime24").mkdir()
     (tmp_path / "aime24" / "test.jsonl").write_text('{"id": 1, "question": "q", "answer": "5"}\n')
     monkeypatch.setenv("EVALDAG_DATA_DIR", str(tmp_path))
-    with pytest.raises(DatasetError, match="field 'problem'"):
+    with pytest.raises(DatasetError, match="column 'problem' .the config's fields.problem."):
         load_benchmark_rows(load_benchmark("aime24"))

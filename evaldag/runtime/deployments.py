@@ -2,7 +2,8 @@
 
 Prefect names a deployment `<flow name>/<deployment name>`. The flow names are the `@flow(name=...)` of flows/, which
 import them from here; the deployment names are those of the one manifest, deployments/prefect.yaml, which has one
-`eval/<benchmark>` per benchmark config in configs/benchmarks/ (the benchmark list: evaldag.request.config.available).
+`eval/<benchmark>` per built-in benchmark config in configs/benchmarks/, and eval/suite, which evaluates any benchmarks
+(a user folder's configs, config files) without a deployment of their own.
 tests/test_deployments.py checks that the manifest and the configs agree with this module, so a renamed deployment
 or a new benchmark that misses one of them fails a fast test instead of a flow run.
 """
@@ -40,19 +41,25 @@ def eval_deployment(benchmark: str) -> str:
     return f"{EVAL_FLOW}/{benchmark}"
 
 
+def builtin_benchmarks() -> list[str]:
+    """The benchmarks shipped in configs/benchmarks/ of this repository: each has a deployment eval/<name>."""
+    return sorted(p.stem for p in (paths.REPO_ROOT / "configs" / "benchmarks").glob("*.yaml"))
+
+
 def evaluation_deployment(benchmarks: list[str]) -> str:
-    """The deployment that evaluates `benchmarks` together: `eval/<b>` for one, eval/suite for several."""
-    return eval_deployment(benchmarks[0]) if len(benchmarks) == 1 else SUITE_DEPLOYMENT
+    """The deployment that evaluates `benchmarks` together: `eval/<b>` for one built-in benchmark, eval/suite for
+    several and for any other benchmark (a user folder's config, a config file): eval/suite evaluates whatever
+    benchmarks its `benchmarks` parameter names, so a new benchmark needs no deployment of its own."""
+    one = len(benchmarks) == 1 and benchmarks[0] in builtin_benchmarks()
+    return eval_deployment(benchmarks[0]) if one else SUITE_DEPLOYMENT
 
 
 def benchmark_deployments() -> list[str]:
-    """`eval/<b>` for every benchmark config (configs/benchmarks/), the deployments `evaldag up` creates."""
-    from evaldag.request.config import available
-
-    return [eval_deployment(b) for b in available("benchmarks")]
+    """`eval/<b>` for every built-in benchmark config (configs/benchmarks/), the deployments `evaldag up` creates."""
+    return [eval_deployment(b) for b in builtin_benchmarks()]
 
 
 __all__ = ["MANIFEST", "EVAL_FLOW", "SHARD_FLOW", "CHECKPOINT_FLOW", "SWEEPER_FLOW", "LATEST_FLOW", "CPU_POOL",
            "GPU_POOL", "POOLS", "SUITE", "SUITE_DEPLOYMENT", "SHARD_DEPLOYMENT", "CHECKPOINT_DEPLOYMENT",
            "SWEEPER_DEPLOYMENT", "LATEST_DEPLOYMENT", "eval_deployment", "evaluation_deployment",
-           "benchmark_deployments"]
+           "benchmark_deployments", "builtin_benchmarks"]

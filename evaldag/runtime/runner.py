@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import NamedTuple
 
 from evaldag.pipeline import progress
@@ -85,13 +86,19 @@ def progress_every_s() -> float:
 
 
 def benchmark_names(text: str, error: type[Exception] = ValueError) -> list[str]:
-    """The benchmarks of a comma-separated list (`evaldag run --benchmarks math500,aime24`), each once, in order;
-    `error` naming the problem for an empty list, a malformed name or one without a config."""
-    from evaldag.request.config import available
+    """The benchmarks of a comma-separated list (`evaldag run --benchmarks math500,./mine.yaml`), each once, in
+    order, a config file as its absolute path (the evaluation reads it in the worker's folder); `error` naming the
+    problem for an empty list, a malformed name, one without a config or a config file that is not there."""
+    from evaldag.request.config import available, is_config_file
     from evaldag.request.rules import check_benchmark_names
 
-    names = check_benchmark_names(list(dict.fromkeys(b.strip() for b in text.split(",") if b.strip())), error)
-    unknown = [n for n in names if n not in available("benchmarks")]
+    refs = [b.strip() for b in text.split(",") if b.strip()]
+    refs = [str(Path(b).expanduser().resolve()) if is_config_file(b) else b for b in refs]
+    names = check_benchmark_names(list(dict.fromkeys(refs)), error)
+    missing = [n for n in names if is_config_file(n) and not Path(n).is_file()]
+    if missing:
+        raise error(f"no benchmark config file {', '.join(missing)}")
+    unknown = [n for n in names if not is_config_file(n) and n not in available("benchmarks")]
     if unknown:
         raise error(f"no benchmark config for {', '.join(unknown)}; known: {', '.join(available('benchmarks'))}")
     return names
@@ -143,7 +150,20 @@ def _report_each(console, fr, benchmark: str, wall_s: float, servers: Servers) -
     """The result of each benchmark the flow run evaluated: eval/suite's are its `benchmarks` parameter (the
     deployment's default unless the run named them), any other deployment's is its own."""
     for each in fr.parameters.get("benchmarks") or [benchmark]:
-        _print_result(console, each, str(fr.id), _flow_summary(fr, each), wall_s, servers)
+        _print_result(console, benchmark_label(each), str(fr.id), _flow_summary(fr, each), wall_s, servers)
+
+
+def benchmark_label(ref: str) -> str:
+    """The name a benchmark's results go by (its MLflow experiment, its folder in the result store): a config
+    file's declared name, a config name itself."""
+    from evaldag.request.config import is_config_file, load_benchmark
+
+    if not is_config_file(ref):
+        return ref
+    try:
+        return load_benchmark(ref).name
+    except EvalDagError:   # changed since the run started: its own results still carry the old name
+        return Path(ref).stem
 
 
 def _flow_summary(fr, benchmark: str) -> dict | None:
