@@ -31,15 +31,16 @@ def requested_benchmarks(event_benchmarks: list[str] | None, default: list[str])
 
 
 # What an evaluation request is made of (evaldag.request.plan.EvalRequest's fields, and the eval flow's parameters):
-# - IDENTITY: which checkpoint on which benchmark, and where it belongs (part of every key below);
+# - IDENTITY: which checkpoint on which benchmark, and where it belongs (the job, train_run: part of the plan's
+#   eval_key, which files the result under the job, but not of evaluation_id, which says "already evaluated");
 # - OUTPUT_SETTINGS: settings that change the result: a slice (limit), sampling, pass@k's ks, the KL reference,
-#   the engine, eval_loss (adds its metrics), and the shard count (batch composition moves greedy outputs);
+#   the engine and its settings (those of them that change results: evaldag.request.keys), eval_loss (adds its metrics), and the shard count (batch composition moves greedy outputs);
 # - NOT_OUTPUT: where the result is logged and how the shards are dispatched; never part of a key. They are the
 #   `request.*` entries of evaldag.request.keys.NOT_RESULT_SETTINGS, the one list of settings that do not change results.
 # The keys themselves are taken from the resolved settings (the request, the benchmark config, the model's dtype,
 # engine, batch size, engine_args and fingerprint) minus that list, not from this classification.
 IDENTITY = ("benchmark", "checkpoint", "step", "train_run")
-OUTPUT_SETTINGS = ("limit", "num_shards", "sampling", "pass_k", "reference", "engine",
+OUTPUT_SETTINGS = ("limit", "num_shards", "sampling", "pass_k", "reference", "engine", "engine_settings",
                    "decide", "decide_alpha", "decide_margin", "decide_rounds",   # a stopped evaluation: a prefix
                    "adaptive", "eval_loss")
 NOT_OUTPUT = tuple(k.split(".", 1)[1] for k in NOT_RESULT_SETTINGS if k.startswith("request."))
@@ -181,20 +182,27 @@ def plan_settings_key(plan: Any, decide: bool = True) -> str:
                 plan.benchmark.model_dump(mode="json"), model)
 
 
-def evaluation_id(train_run: str, step: int, benchmark: str | Sequence[str], checkpoint: str | Path,
+def evaluation_id(step: int, benchmark: str | Sequence[str], checkpoint: str | Path,
                   overrides: Mapping[str, Any] | None = None) -> str:
-    """Identity of "this checkpoint, with these contents, on this benchmark (or these benchmarks, evaluated
-    together) with these settings": the idempotency key of its evaluation flow run. The same event delivered twice
-    (or by the trainer and the sweeper) starts one run; a request whose settings change the result (a full run
-    after a quick `limit` slice, other sampling, another dtype, an edited benchmark config...) is another
-    evaluation and starts its own, and so is a checkpoint rewritten in place (its fingerprint is in the key)."""
+    """Identity of "this checkpoint folder, with these contents, at this step, on this benchmark (or these benchmarks,
+    evaluated together) with these settings": the idempotency key of its evaluation flow run. The same event
+    delivered twice, or the checkpoint found by the sweeper and announced by the trainer, starts one run; a request
+    whose settings change the result (a full run after a quick `limit` slice, other sampling, another dtype, an
+    edited benchmark config...) is another evaluation and starts its own, and so is a checkpoint rewritten in place
+    (its fingerprint is in the key).
+
+    The job's name is not part of it: the sweeper names a job after the checkpoint's folder, the trainer after its
+    own run, and one checkpoint evaluated under both names is one evaluation done twice (tasks/start_evaluation lets
+    the trainer's late event adopt the sweeper's). The folder stays part of it (both send its resolved path): two
+    jobs' checkpoints with the same bytes (each job's step 0, a copy of the base model) are each their job's
+    evaluation, and share their generations through the plan's generation_key."""
     names = [benchmark] if isinstance(benchmark, str) else list(benchmark)
     digest = hashlib.sha256(str(checkpoint).encode()).hexdigest()[:16]
     model = model_settings(checkpoint, (overrides or {}).get("engine"), (overrides or {}).get("engine_settings"))
     settings = "+".join(settings_key(name, checkpoint, overrides, model) for name in names)
     if len(names) > 1:
         settings = hashlib.sha256(settings.encode()).hexdigest()[:16]
-    return f"evaldag-eval:{train_run}:{step}:{'+'.join(names)}:{digest}:{settings}"
+    return f"evaldag-eval:{int(step)}:{'+'.join(names)}:{digest}:{settings}"
 
 
 def checkpoint_tag(checkpoint: str | Path, step: int) -> str:
