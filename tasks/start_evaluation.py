@@ -14,6 +14,10 @@ from evaldag.runtime.deployments import SUITE_DEPLOYMENT, evaluation_deployment
 from evaldag.events.identity import checkpoint_tag, evaluation_id
 
 _PAGE = 200
+# The tag of evaluation flow runs the sweeper (or eval-latest) started under a job name made from the folder's
+SWEPT_TAG = "evaldag-swept"
+# The parameters that say whose evaluation it is and where its job's curve goes (not part of its identity)
+_JOB_PARAMETERS = ("train_run", "mlflow_parent_run_id", "final_step", "baseline")
 
 
 @task(name="start-evaluation", persist_result=False, retries=3, retry_delay_seconds=[2, 5, 10])
@@ -29,7 +33,11 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     (Prefect would otherwise hand back the failed run forever), as evaldag.runtime.relaunch decides over all its attempts:
     nothing while one of them is still live (the live one is returned), nothing after a completed one, nothing after
     a run a person cancelled unless `include_cancelled`, otherwise exactly one retry. The returned dict's `relaunch`
-    says which (None without `relaunch_failed` or when the first run is live or completed)."""
+    says which (None without `relaunch_failed` or when the first run is live or completed).
+
+    The job's name is not part of the identity: an evaluation found under another job's name is that job's, except
+    that one the sweeper started (`adopt_train_run`: its job name is the folder's) is adopted by the trainer's
+    event (`_adopt`), which names the job for real. The returned dict's `train_run` says whose it is."""
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
     tag = checkpoint_tag(checkpoint, step)
     if adopt_train_run and (known := _train_run_of_earlier_runs(tag)) and known != train_run:
@@ -37,14 +45,25 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
         get_run_logger().info("%s step %d was announced as job %s, not %s: evaluating it as %s", checkpoint, step,
                               known, train_run, known)
         train_run = known
-    key = evaluation_id(train_run, step, names, checkpoint, overrides)
+    key = evaluation_id(step, names, checkpoint, overrides)
     params = {**(overrides or {}), "checkpoint": checkpoint, "step": step, "train_run": train_run}
     deployment = _deployment_for(names)
     if deployment == SUITE_DEPLOYMENT:
         params["benchmarks"] = names
     run_name = f"{'+'.join(names)}-{train_run}-step{step}"
+    # the sweeper's job name is a guess from the folder: its runs are marked so that the trainer's event may adopt them
+    tags = [tag, SWEPT_TAG] if adopt_train_run else [tag]
     fr = run_deployment(deployment, parameters=params, idempotency_key=key, timeout=0, flow_run_name=run_name,
-                        tags=[tag])
+                        tags=tags)
+    if (fr.parameters or {}).get("train_run", train_run) != train_run:   # this evaluation, started under another name
+        if not adopt_train_run and SWEPT_TAG in (fr.tags or []):
+            fr = _adopt(fr, params)
+        # the evaluation is that job's (now this event's, if adopted): so is a retry of it
+        params = {**{k: v for k, v in params.items() if k not in _JOB_PARAMETERS},
+                  **{k: fr.parameters[k] for k in _JOB_PARAMETERS if fr.parameters.get(k) is not None}}
+        train_run = params["train_run"]
+    run_name = fr.name                              # a retry is named after the evaluation's first run
+    tags = [tag, SWEPT_TAG] if SWEPT_TAG in (fr.tags or []) else [tag]
     action = None
     if relaunch_failed and fr.state and fr.state.is_final() and not fr.state.is_completed():
         decision = _settled_decision(fr, key, [run_name, f"{run_name}-retry"], include_cancelled)
@@ -53,7 +72,7 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
             get_run_logger().warning("%s for %s step %d: its latest run %s ended %s; starting it again", deployment,
                                      train_run, step, fr.name, fr.state.name)
             fr = run_deployment(deployment, parameters=params, idempotency_key=relaunch.retry_key(key, fr),
-                                timeout=0, flow_run_name=f"{run_name}-retry", tags=[tag])
+                                timeout=0, flow_run_name=f"{run_name}-retry", tags=tags)
         elif decision.action == "cancelled":
             get_run_logger().info("%s for %s step %d: %s was cancelled (%s); not starting it again without "
                                   "include_cancelled", deployment, train_run, step, fr.name,
@@ -61,7 +80,48 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     get_run_logger().info("%s (%s) for %s step %d: flow run %s (%s)", deployment, ", ".join(names), train_run, step,
                           fr.name, fr.state.name if fr.state else "Scheduled")
     return {"benchmark": "+".join(names), "benchmarks": names, "flow_run_id": str(fr.id), "flow_run_name": fr.name,
-            "state": fr.state.name if fr.state else "Scheduled", "relaunch": action}
+            "state": fr.state.name if fr.state else "Scheduled", "relaunch": action, "train_run": train_run}
+
+
+def _adopt(fr: Any, params: dict) -> Any:
+    """Make the sweeper's flow run `fr` the evaluation of the job a trainer's event names (`params`): its job and
+    where that job's curve goes (train_run, mlflow_parent_run_id, final_step, baseline) are the event's from now
+    on, and it is no longer the sweeper's to give away. A run not started yet starts with them; a running one is
+    tracked under them (`adopted_plan`, at its track step)."""
+    from prefect.client.orchestration import get_client
+
+    job = {k: params.get(k) for k in _JOB_PARAMETERS}
+    parameters = {**{k: v for k, v in fr.parameters.items() if k not in _JOB_PARAMETERS},
+                  **{k: v for k, v in job.items() if v is not None}}
+    tags = [t for t in fr.tags if t != SWEPT_TAG]
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(fr.id, parameters=parameters, tags=tags)
+        adopted = client.read_flow_run(fr.id)
+    get_run_logger().info("flow run %s evaluates this checkpoint with these settings already, started by the sweeper "
+                          "as job %s: it is job %s's evaluation from now on", fr.name, fr.parameters.get("train_run"),
+                          params["train_run"])
+    return adopted
+
+
+def adopted_plan(plan: Any, flow_run_id: str | None) -> Any:
+    """`plan` as the job that owns its flow run now: a trainer's event may adopt an evaluation the sweeper started
+    under the folder's name after the plan was resolved (`_adopt`); the track step logs it under the adopting job.
+    The plan itself as resolved where no Prefect flow run is behind it, or its job is unchanged."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    try:
+        run_id = UUID(str(flow_run_id))
+    except ValueError:
+        return plan
+    with get_client(sync_client=True) as client:
+        parameters = client.read_flow_run(run_id).parameters
+    if parameters.get("train_run") in (None, plan.train_run):
+        return plan
+    job = {k: parameters.get(k) for k in _JOB_PARAMETERS}
+    return plan.model_copy(update={"train_run": job["train_run"],
+                                   "request": plan.request.model_copy(update=job)})
 
 
 def _settled_decision(fr: Any, key: str, names: list[str], include_cancelled: bool) -> relaunch.Decision:

@@ -50,8 +50,7 @@ def _keys(w: KeyWorld, checkpoint: str = "tiny", **changes) -> dict[str, str]:
     return {"generation": plan.generation_key, "grade": plan.grade_key, "eval": plan.eval_key,
             "tracked settings": plan_settings_key(plan),
             "sweeper settings": settings_key(request["benchmark"], checkpoint, overrides),
-            "evaluation_id": evaluation_id(request["train_run"], request["step"], request["benchmark"], checkpoint,
-                                           overrides)}
+            "evaluation_id": evaluation_id(request["step"], request["benchmark"], checkpoint, overrides)}
 
 
 def test_every_entry_says_why_and_has_a_test():
@@ -122,10 +121,10 @@ def test_the_sweeper_evaluates_a_folder_again_when_its_result_would_change(chang
                    w.results)
     have = {(plan.model.path, 100, plan_settings_key(plan))}
     assert evaluated_key(w.ckpt, 100, "aime24", overrides) in have
-    ident = evaluation_id("job", 100, "aime24", str(w.ckpt), overrides)
+    ident = evaluation_id(100, "aime24", str(w.ckpt), overrides)
     change(w)
     assert evaluated_key(w.ckpt, 100, "aime24", overrides) not in have
-    assert evaluation_id("job", 100, "aime24", str(w.ckpt), overrides) != ident
+    assert evaluation_id(100, "aime24", str(w.ckpt), overrides) != ident
 
 
 @pytest.mark.parametrize("entry", [e for e in sorted(NOT_RESULT_SETTINGS) if e.startswith("model.engine_args.")])

@@ -145,7 +145,7 @@ def test_start_evaluation_starts_nothing_while_a_retry_is_live(prefect_api, tmp_
     train_run, ckpt = "live-retry", str(complete_checkpoint(tmp_path / "checkpoint-10"))
     first = _start(ckpt, train_run)
     _set(first["flow_run_id"], Failed())
-    live = _old_style_retry(prefect_api, evaluation_id(train_run, 10, ["math500"], ckpt), train_run, 10, ckpt)
+    live = _old_style_retry(prefect_api, evaluation_id(10, ["math500"], ckpt), train_run, 10, ckpt)
     for _ in range(2):   # the next sweep, and a duplicate event
         again = _start(ckpt, train_run)
         assert again["flow_run_id"] == str(live.id)
@@ -302,3 +302,55 @@ def test_an_evaluation_cancelled_through_the_api_relaunches_no_shard_and_stays_c
         final = client.read_flow_run(seen["parent"]).state
     assert state.is_cancelled() and final.is_cancelled(), final
     assert final.message == "cancelled by a script"
+
+
+# ---- a checkpoint the sweeper found first, announced late by its trainer under the job's own name (issue 51 item 7)
+
+@flow
+def _sweep(checkpoint: str, folder_job: str) -> dict:
+    from tasks.start_evaluation import start_evaluation
+
+    return start_evaluation("math500", checkpoint, 10, folder_job, None, relaunch_failed=True, adopt_train_run=True)
+
+
+@flow
+def _announce(checkpoint: str, train_run: str, overrides: dict) -> dict:
+    from tasks.start_evaluation import start_evaluation
+
+    return start_evaluation("math500", checkpoint, 10, train_run, overrides, relaunch_failed=True)
+
+
+def test_a_late_event_adopts_the_evaluation_the_sweeper_started(prefect_api, tmp_path, sqlite_mlflow, configs):
+    """The sweeper starts a checkpoint's evaluation under the folder's name; the trainer's event for it arrives
+    late under the job's own name and the MLflow run it keeps: no second evaluation starts, the sweeper's becomes
+    the job's (its parameters, and its track step logs it under that job). Later sweeps join it, and another job's
+    event does not take it over."""
+    import json
+
+    import polars as pl
+    from mlflow import MlflowClient
+
+    from evaldag.request.plan import EvalRequest, resolve
+    from tasks.track import track_task
+
+    ckpt = str(complete_checkpoint(tmp_path / "folder-run" / "checkpoint-10").resolve())
+    parent = "0123456789abcdef0123456789abcdef"
+    swept = _sweep(ckpt, "folder-run")
+    late = _announce(ckpt, "trainer-job", {"mlflow_parent_run_id": parent})
+    assert late["flow_run_id"] == swept["flow_run_id"] and late["train_run"] == "trainer-job"
+    runs = [r for job in ("folder-run", "trainer-job") for r in _evaluation_runs(prefect_api, job)]
+    assert [str(r.id) for r in runs] == [swept["flow_run_id"]]
+    assert (runs[0].parameters["train_run"], runs[0].parameters["mlflow_parent_run_id"]) == ("trainer-job", parent)
+    for again in (_sweep(ckpt, "folder-run"), _announce(ckpt, "other-job", {})):
+        assert (again["flow_run_id"], again["train_run"]) == (swept["flow_run_id"], "trainer-job")
+
+    # its track step: the plan was resolved (as the sweeper asked) before the event adopted the run
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=ckpt, step=10, limit=2, num_shards=1,
+                               train_run="folder-run"), tmp_path / "results")
+    pl.DataFrame({"sample_id": ["a", "b"], "correct": [True, False]}).write_parquet(plan.path("samples.parquet"))
+    metrics = {"accuracy": 0.5, "reward/mean": 0.5, "reward/std": 0.5, "n_samples": 2.0}
+    plan.path("metrics.json").write_text(json.dumps(metrics))
+    tracked = track_task.fn(str(plan.path("plan.json")), metrics, swept["flow_run_id"])
+    tags = MlflowClient().get_run(tracked.run_id).data.tags
+    assert tags["train_run"] == "trainer-job" and parent in tags["evaldag.parent_run_refused"]   # no such run here
+    assert MlflowClient().get_run(tags["evaldag.parent_run_id"]).data.tags["train_run"] == "trainer-job"

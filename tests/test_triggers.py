@@ -13,7 +13,7 @@ CKPT = "/ckpts/run-1/checkpoint-100"
 
 
 def _id(overrides=None, **kw):
-    args = {"train_run": "run-1", "step": 100, "benchmark": "math500", "checkpoint": CKPT, **kw}
+    args = {"step": 100, "benchmark": "math500", "checkpoint": CKPT, **kw}
     return evaluation_id(overrides=overrides, **args)
 
 
@@ -42,8 +42,29 @@ def test_an_identical_request_is_the_same_evaluation():
 
 def test_identity_fields_still_separate_evaluations():
     base = _id()
-    for kw in ({"train_run": "run-2"}, {"step": 200}, {"benchmark": "gsm8k"}, {"checkpoint": CKPT + "0"}):
+    for kw in ({"step": 200}, {"benchmark": "gsm8k"}, {"checkpoint": CKPT + "0"}):
         assert _id(**kw) != base
+
+
+def test_the_jobs_name_does_not_separate_evaluations(tmp_path):
+    """The sweeper names a checkpoint's job after its folder, the trainer's event after its run: one checkpoint
+    (the same folder and contents, the same settings) is one evaluation under either name (issue 51 item 7). A
+    checkpoint rewritten in place is another one, and so is another job's copy of the same bytes."""
+    import shutil
+
+    from conftest import complete_checkpoint
+
+    ckpt = complete_checkpoint(tmp_path / "ckpts" / "folder-run" / "checkpoint-100")
+    key = evaluation_id(100, "aime24", ckpt, {"limit": 2})
+    copy = shutil.copytree(ckpt, tmp_path / "ckpts" / "other-run" / "checkpoint-100")
+    assert evaluation_id(100, "aime24", copy, {"limit": 2}) != key
+    # what an evaluation's key is made of: the plan's request (train_run is the one field whose name is not used)
+    for job in ("folder-run", "grpo-job"):
+        request = EvalRequest(benchmark="aime24", checkpoint=str(ckpt), step=100, limit=2, train_run=job)
+        overrides = request.model_dump(exclude={"benchmark", "checkpoint", "step"})
+        assert evaluation_id(100, "aime24", ckpt, overrides) == key, job
+    (ckpt / "model.safetensors").write_bytes(b"rewritten")
+    assert evaluation_id(100, "aime24", ckpt, {"limit": 2}) != key
 
 
 def test_eval_loss_is_another_evaluation_unless_it_repeats_the_default():
