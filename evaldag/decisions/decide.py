@@ -34,8 +34,7 @@ from evaldag.storage import store
 from evaldag.request.plan import EvalPlan
 from evaldag.storage.schema import GENERATION_SCHEMA, GRADED_SCHEMA, read_table, write_table
 from evaldag.decisions.pacing import RoundGate, pace_sample, worth_gating
-from evaldag.decisions.sequential import look_interval, pocock_boundary, sequential_verdict
-from evaldag.decisions.verdicts import verdict_from_interval
+from evaldag.decisions.sequential import boundaries, selection_bounds, sequential_verdict
 
 # Sequences (one request each) a shard keeps in its engine at once when the evaluation may stop early. Default: the
 # model's batch_size x n, what a full evaluation holds. Scheduling only: the rows do not depend on it (seeds are per
@@ -209,8 +208,12 @@ class Decision:
 
 class Decider:
     """Reads the shards' durable rows as they come, grades them, and decides at the ends of rounds. `incumbent`:
-    sample_id and score (per-problem mean correctness) of the evaluation compared with, labelled `vs`. Grading is
-    `grade(rows) -> graded rows` (evaldag.pipeline.grade.grade_rows with the plan's settings).
+    sample_id and score (per-problem mean correctness) of the evaluation compared with, or a list of them: every
+    candidate for the job's best (evaldag.tracking.incumbent), labelled `vs` (the one of highest accuracy). Against
+    k candidates the verdict is about the best of them, with the selection accounted for
+    (evaldag.decisions.sequential.selection_bounds: lower bounds at alpha, upper bounds at alpha / k), on the
+    problems every candidate has. Grading is `grade(rows) -> graded rows` (evaldag.pipeline.grade.grade_rows with
+    the plan's settings).
 
     A verdict does not wait for the longest answers: every problem of a round is counted with the samples that
     finished, each unfinished one bounded by its extremes (right or wrong), and the round decides when the
@@ -218,19 +221,25 @@ class Decider:
     rows will give). Then the stop file names the round's prefix: the shards withdraw every other request and
     finish the prefix's own, and the decision is made final on the complete prefix (poll returns it)."""
 
-    def __init__(self, plan: EvalPlan, incumbent: pl.DataFrame, vs: str, grade) -> None:
+    def __init__(self, plan: EvalPlan, incumbent: pl.DataFrame | list[pl.DataFrame], vs: str, grade) -> None:
         alpha, margin, rounds = plan.decide_settings
         self.plan, self.vs, self._grade = plan, vs, grade
         self.alpha, self.margin = alpha, margin
         self.order = decision_order(plan.sample_ids(), plan.sampling.seed)
         self.ends = round_ends(len(self.order), rounds)
-        self.incumbent = dict(zip(incumbent["sample_id"].to_list(), incumbent["score"].to_list()))
+        frames = [incumbent] if isinstance(incumbent, pl.DataFrame) else list(incumbent)
+        if not frames:
+            raise ValueError("no earlier evaluation to compare with: a Decider needs one or more")
+        self.incumbents = [dict(zip(f["sample_id"].to_list(), f["score"].to_list())) for f in frames]
+        # paired: the problems every candidate has (their differences then share one planned look list)
+        self.paired = [sid for sid in self.order if all(sid in c for c in self.incumbents)]
+        paired = set(self.paired)
         # the planned looks: paired problems at each round end, fixed before any result
-        at = np.cumsum([sid in self.incumbent for sid in self.order]) if self.order else np.zeros(0, dtype=int)
+        at = np.cumsum([sid in paired for sid in self.order]) if self.order else np.zeros(0, dtype=int)
         self._paired_at = {end: int(at[end - 1]) for end in self.ends}
         self.looks = tuple(sorted({t for t in self._paired_at.values() if t > 0}))
-        # the boundary every look reads (none without a paired problem: no look then decides)
-        self.z = pocock_boundary(self.looks, alpha) if self.looks else math.inf
+        # the boundaries every look reads, lower and upper (none without a paired problem: no look then decides)
+        self.z, self.z_k = boundaries(self.looks, alpha, len(frames)) if self.looks else (math.inf, math.inf)
         self._chunks: dict[str, pl.DataFrame] = {}      # chunk path -> rows (a chunk never changes once written)
         self._graded: list[pl.DataFrame] = []
         self._right: dict[str, int] = {}                 # correct samples so far, per problem
@@ -281,24 +290,24 @@ class Decider:
         return length
 
     def _ranges(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each paired problem's difference, in the decision order, as a range: its unfinished samples all wrong,
-        all right (equal once every sample is in)."""
+        """Each paired problem's difference to each candidate (k, paired), in the decision order, as a range: its
+        unfinished samples all wrong, all right (equal once every sample is in)."""
         n = self.plan.sampling.n
-        paired = [sid for sid in self.order if sid in self.incumbent]
-        right = np.array([self._right.get(sid, 0) for sid in paired], dtype=np.float64)
-        unknown = np.array([n - self._known.get(sid, 0) for sid in paired], dtype=np.float64)
-        score = np.array([self.incumbent[sid] for sid in paired], dtype=np.float64)
+        right = np.array([self._right.get(sid, 0) for sid in self.paired], dtype=np.float64)
+        unknown = np.array([n - self._known.get(sid, 0) for sid in self.paired], dtype=np.float64)
+        score = np.array([[c[sid] for sid in self.paired] for c in self.incumbents], dtype=np.float64)
+        score = score.reshape(len(self.incumbents), len(self.paired))
         return right / n - score, (right + unknown) / n - score
 
     def _decided_end(self, low_d: np.ndarray, high_d: np.ndarray) -> int | None:
         """The first round end (before the last) whose verdict is decided whatever the unfinished samples of its
-        problems turn out to be (their ranges `low_d`..`high_d`), or None."""
+        problems turn out to be (their ranges `low_d`..`high_d`, one row per candidate), or None."""
         for end in self.ends[:-1]:
             t = self._paired_at[end]
             if not t:
                 continue
-            low, high = look_interval(low_d[:t], self.z, d_high=high_d[:t])
-            if verdict_from_interval(float(low[0]), float(high[0]), self.margin) != "undecided":
+            bounds = selection_bounds(list(low_d[:, :t]), self.z, self.z_k, list(high_d[:, :t]))
+            if bounds.verdicts(self.margin)[0] != "undecided":
                 return end
         return None
 
@@ -306,7 +315,9 @@ class Decider:
         """Tell the shards to drop the round gate once no verdict is in sight within the gated rounds."""
         if self._ungated:
             return
-        d = pace_sample(low_d, high_d, list(self.looks))
+        # pacing reads the candidate the new checkpoint looks worst against (the one that sets the upper bound)
+        j = int(np.argmin(low_d.sum(axis=1))) if low_d.size else 0
+        d = pace_sample(low_d[j], high_d[j], list(self.looks))
         if not d.size:
             return          # no round's worth yet
         gated_end = self.ends[min(len(self.ends), RoundGate([], len(self.ends)).gated) - 1]
@@ -337,8 +348,10 @@ class Decider:
     def _decision(self, end: int, rows: pl.DataFrame, status: str = "stopped") -> Decision:
         prefix = self.order[:end]
         n = self.plan.sampling.n
-        d = np.array([self._right[sid] / n - self.incumbent[sid] for sid in prefix if sid in self.incumbent])
-        v = sequential_verdict(d, self.looks, self.alpha, self.margin)
+        in_prefix_ids = set(prefix)
+        ds = [np.array([self._right[sid] / n - c[sid] for sid in self.paired if sid in in_prefix_ids])
+              for c in self.incumbents]
+        v = sequential_verdict(ds, self.looks, self.alpha, self.margin)
         keys = ["sample_id", "sample_index", "shard_index"]
         rows = rows.unique(keys)
         generated = int(rows.join(self._reused, on=keys, how="anti")["completion_tokens"].sum() or 0)
@@ -348,7 +361,8 @@ class Decider:
         in_prefix = rows.filter(pl.col("sample_id").is_in(prefix))
         per_sample = float(in_prefix["completion_tokens"].mean() or 0.0) if in_prefix.height else 0.0
         missing = max(0, len(self.order) * n - rows.unique(["sample_id", "sample_index"]).height)
-        return Decision(status, v.verdict, self.vs, end, len(self.order), int(d.size), v.mean, v.ci_low, v.ci_high,
+        return Decision(status, v.verdict, self.vs, end, len(self.order), int(ds[0].size), v.mean, v.ci_low,
+                        v.ci_high,
                         self.alpha, self.margin, generated, reused,
                         round(generated + reused + per_sample * missing), prefix)
 

@@ -140,43 +140,160 @@ def look_interval(d: np.ndarray, z: float, d_high: np.ndarray | None = None) -> 
     return np.maximum(mean_lo - half, -1.0), np.minimum(mean_hi + half, 1.0)
 
 
-def sequential_verdict(d: np.ndarray, looks: Sequence[int], alpha: float = 0.05, margin: float = 0.02,
-                       d_high: np.ndarray | None = None) -> SequentialVerdict:
-    """The verdict at the look after d.size paired differences (in the random order they were evaluated), one of
-    the planned `looks` (paired counts, increasing)."""
-    d = np.asarray(d, dtype=np.float64)
-    if d.size == 0:
+def _kl_bernoulli(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """KL(Bernoulli(p) || Bernoulli(q)), elementwise, 0 log 0 = 0."""
+    p = np.clip(p, 0.0, 1.0)
+    q = np.clip(q, 1e-300, 1 - 1e-16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(p > 0, p * np.log(p / q), 0.0)
+        b = np.where(p < 1, (1 - p) * np.log((1 - p) / (1 - q)), 0.0)
+    return a + b
+
+
+def _chernoff_bound(mean: np.ndarray, m: int, delta: float, upper: bool) -> np.ndarray:
+    """The Chernoff-Hoeffding bound on the mean of m independent values in [0, 1] with sample mean `mean`: the
+    mu beyond `mean` (above when `upper`) with m KL(mean || mu) = log(1 / delta); it errs with probability at most
+    delta (Hoeffding 1963, Thm 1: the Bernoulli is the worst case for [0, 1] data). With a zero mean the upper bound
+    is 1 - delta^(1/m), the Clopper-Pearson bound of zero successes in m."""
+    mean = np.clip(np.asarray(mean, dtype=np.float64), 0.0, 1.0)
+    lo, hi = (mean.copy(), np.ones_like(mean)) if upper else (np.zeros_like(mean), mean.copy())
+    target = math.log(1 / delta) / m
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        inside = _kl_bernoulli(mean, mid) <= target
+        if upper:
+            lo, hi = np.where(inside, mid, lo), np.where(inside, hi, mid)
+        else:
+            lo, hi = np.where(inside, lo, mid), np.where(inside, mid, hi)
+    return hi if upper else lo
+
+
+def rare_interval(d: np.ndarray, z: float, d_high: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """An interval for the mean of `d` (shape (T,) or (runs, T); `d_high` as in `look_interval`) that holds when
+    differences are rare and one-sided, where the t interval does not: with no differing problem among 150 the t
+    interval's half-width is 0.017 (the pseudo-observation's spread alone), while 2 % of problems broken and none
+    fixed shows no difference in 150 with probability 0.05.
+
+    Why this bound. d = d+ - d- with d+ = max(d, 0) and d- = max(-d, 0), both in [0, 1]; each part's mean gets a
+    Chernoff-Hoeffding bound (`_chernoff_bound`: valid for any data in [0, 1], exact in the Bernoulli worst case,
+    and for n = 1, where d+ and d- count the problems fixed and broken, it is the binomial bound of those counts).
+    The lower end is L(d+) - U(d-), the upper U(d+) - L(d-), each part at half the look's one-sided nominal level
+    Phi(-z), so that each end errs with at most that probability: the same per-look level as the t interval's, so
+    Pocock's planned looks and boundary are kept. A normal or Wilson bound would not do: with a few discordant
+    problems their coverage of a one-sided rate falls well below nominal; a betting confidence sequence would pay
+    for looks decide never takes (module docstring)."""
+    lo_d = np.atleast_2d(np.asarray(d, dtype=np.float64))
+    hi_d = lo_d if d_high is None else np.atleast_2d(np.asarray(d_high, dtype=np.float64))
+    m = lo_d.shape[1]
+    if m < 1:
+        return np.full(lo_d.shape[0], -1.0), np.full(lo_d.shape[0], 1.0)
+    delta = float(ndtr(-z)) / 2
+    # each part's mean at its least and greatest over the unfinished samples' ranges
+    plus_lo, plus_hi = np.maximum(lo_d, 0).mean(axis=1), np.maximum(hi_d, 0).mean(axis=1)
+    minus_lo, minus_hi = np.maximum(-hi_d, 0).mean(axis=1), np.maximum(-lo_d, 0).mean(axis=1)
+    low = _chernoff_bound(plus_lo, m, delta, upper=False) - _chernoff_bound(minus_hi, m, delta, upper=True)
+    high = _chernoff_bound(plus_hi, m, delta, upper=True) - _chernoff_bound(minus_lo, m, delta, upper=False)
+    return low, high
+
+
+@dataclass(frozen=True)
+class SelectionBounds:
+    """A look's bounds on delta* = min_j (mu_new - mu_j), the difference to the best of k earlier checkpoints
+    (evaldag.decisions.best's rule at one look): `low`/`high` from the t intervals, `rare_low`/`rare_high` from
+    `rare_interval`; arrays over runs."""
+
+    low: np.ndarray
+    high: np.ndarray
+    rare_low: np.ndarray
+    rare_high: np.ndarray
+
+    def verdicts(self, margin: float) -> np.ndarray:
+        """The verdict of each run: `verdict_from_interval` on [low, high], `equivalent` only where the rare-
+        difference bounds lie inside the margin too (else better / worse / undecided as the interval says)."""
+        out = []
+        for lo, hi, rlo, rhi in zip(self.low, self.high, self.rare_low, self.rare_high):
+            equivalent_ok = -margin <= rlo and rhi <= margin
+            out.append(verdict_from_interval(float(lo), float(hi), margin if equivalent_ok else 0.0))
+        return np.array(out, dtype=object)
+
+
+def selection_bounds(ds: Sequence[np.ndarray], z: float, z_k: float,
+                     d_highs: Sequence[np.ndarray | None] | None = None) -> SelectionBounds:
+    """The bounds of one look against k earlier checkpoints: `ds[j]` the differences to checkpoint j (shape (T,) or
+    (runs, T), the same T for all), `d_highs[j]` their upper ends (`look_interval`). The lower bound is min_j of
+    each interval's lower end at boundary `z` (level alpha: better than the best is better than every one, an
+    intersection-union claim); the upper bound min_j of the upper ends at boundary `z_k` (level alpha / k,
+    Bonferroni: worse than the best is worse than some one, a union of k claims). With the true best j*, the lower
+    bound errs only where j*'s does and the upper only where some j's does, so each side errs with at most the
+    probability of one checkpoint's, and the pair covers delta* with probability 1 - alpha at every look."""
+    if not ds:
+        raise ValueError("no earlier checkpoint to compare with: a verdict against the best needs one or more")
+    d_highs = list(d_highs) if d_highs is not None else [None] * len(ds)
+    lows, highs, rlows, rhighs = [], [], [], []
+    for d, dh in zip(ds, d_highs):
+        lows.append(look_interval(d, z, dh)[0])
+        highs.append(look_interval(d, z_k, dh)[1])
+        rlows.append(rare_interval(d, z, dh)[0])
+        rhighs.append(rare_interval(d, z_k, dh)[1])
+    return SelectionBounds(np.min(lows, axis=0), np.min(highs, axis=0), np.min(rlows, axis=0),
+                           np.min(rhighs, axis=0))
+
+
+def boundaries(looks: Sequence[int], alpha: float, k: int = 1) -> tuple[float, float]:
+    """(z, z_k): the Pocock boundary of the looks at alpha (lower bounds) and at alpha / k (upper bounds)."""
+    counts = tuple(looks)
+    return pocock_boundary(counts, alpha), pocock_boundary(counts, alpha / k)
+
+
+def sequential_verdict(d: np.ndarray | Sequence[np.ndarray], looks: Sequence[int], alpha: float = 0.05,
+                       margin: float = 0.02, d_high: np.ndarray | None = None) -> SequentialVerdict:
+    """The verdict at the look after T paired differences (in the random order they were evaluated), one of the
+    planned `looks` (paired counts, increasing). `d`: the differences (T,) to one earlier checkpoint, or a list of
+    them to each of k candidates for the job's best (`selection_bounds`); `mean` is then the smallest mean."""
+    ds = [np.asarray(x, dtype=np.float64) for x in d] if isinstance(d, (list, tuple)) else \
+        [np.asarray(d, dtype=np.float64)]
+    size = ds[0].size
+    if size == 0:
         return SequentialVerdict(0, float("nan"), -1.0, 1.0, "undecided", alpha, margin)
     counts = tuple(sorted(set(int(k) for k in looks if k > 0)))
-    if d.size not in counts:
-        raise ValueError(f"{d.size} differences is not one of the planned looks {counts}: a verdict read "
+    if size not in counts:
+        raise ValueError(f"{size} differences is not one of the planned looks {counts}: a verdict read "
                          "between them is not covered by the boundary")
-    low, high = look_interval(d, pocock_boundary(counts, alpha), d_high)
-    lo, hi = float(low[0]), float(high[0])
-    return SequentialVerdict(d.size, float(d.mean()), lo, hi, verdict_from_interval(lo, hi, margin), alpha, margin)
+    z, z_k = boundaries(counts, alpha, len(ds))
+    highs = [d_high] if d_high is not None and len(ds) == 1 else None
+    b = selection_bounds(ds, z, z_k, highs)
+    lo, hi = float(b.low[0]), float(b.high[0])
+    mean = min(float(x.mean()) for x in ds)
+    return SequentialVerdict(size, mean, lo, hi, str(b.verdicts(margin)[0]), alpha, margin)
 
 
 def stopping_times(d: np.ndarray, rounds: int | list[int], alpha: float = 0.05, margin: float = 0.02
                    ) -> tuple[np.ndarray, np.ndarray]:
     """Run the rule on many sequences at once: for each row of `d` (runs, T), the number of problems evaluated when
-    it stopped and its verdict ("undecided" where it never decided within T). `rounds`: a round size (a look after
-    every `rounds` problems and at T) or the explicit list of looks."""
-    d = np.atleast_2d(np.asarray(d, dtype=np.float64))
-    runs, horizon = d.shape
+    it stopped and its verdict ("undecided" where it never decided within T). `d` of shape (runs, k, T): the
+    differences to each of k candidates for the job's best, decided as decide does (`selection_bounds`).
+    `rounds`: a round size (a look after every `rounds` problems and at T) or the explicit list of looks."""
+    d = np.asarray(d, dtype=np.float64)
+    if d.ndim < 3:
+        d = np.atleast_2d(d)[:, None, :]
+    runs, k, horizon = d.shape
     times = (sorted(set(range(rounds, horizon + 1, rounds)) | {horizon}) if isinstance(rounds, int)
              else sorted(rounds))
-    z = pocock_boundary(tuple(times), alpha)
+    z, z_k = boundaries(times, alpha, k)
     stop = np.full(runs, horizon)
     verdict = np.full(runs, "undecided", dtype=object)
     open_ = np.ones(runs, dtype=bool)
     for t in times:
-        lo, hi = look_interval(d[:, :t], z)
-        decided = np.array([verdict_from_interval(a, b, margin) for a, b in zip(lo, hi)], dtype=object)
-        now = open_ & (decided != "undecided")
-        stop[now] = t
-        verdict[now] = decided[now]
-        open_ &= ~now
+        if not open_.any():
+            break
+        rows = np.flatnonzero(open_)
+        decided = selection_bounds([d[rows, j, :t] for j in range(k)], z, z_k).verdicts(margin)
+        now = decided != "undecided"
+        stop[rows[now]] = t
+        verdict[rows[now]] = decided[now]
+        open_[rows[now]] = False
     return stop, verdict
 
 
-__all__ = ["SequentialVerdict", "look_interval", "look_quantile", "look_spread", "pocock_boundary", "sequential_verdict", "stopping_times"]
+__all__ = ["SelectionBounds", "SequentialVerdict", "boundaries", "look_interval", "look_quantile", "look_spread",
+           "pocock_boundary", "rare_interval", "selection_bounds", "sequential_verdict", "stopping_times"]
