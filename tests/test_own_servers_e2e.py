@@ -108,7 +108,7 @@ def test_deploy_workers_and_run_on_a_teams_own_servers(team_servers):
     workers = [_start([str(BIN / "evaldag"), "worker", "--foreground", "--pool", pool], env, logs / f"{pool}.log")
                for pool in ("cpu", "gpu")]
     try:
-        run = _evaldag(env, "run", "math500", "--limit", "4", "--num-shards", "1", "--max-new-tokens", "32")
+        run = _evaldag(env, "run", "math500", "--limit", "4", "--num-shards", "1", "--max-new-tokens", "16")
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""   # bytes, even with text=True
         run = subprocess.CompletedProcess(e.cmd, -9, out, f"timed out after {e.timeout} s")
