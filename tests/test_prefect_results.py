@@ -54,10 +54,12 @@ def results(tmp_path, monkeypatch) -> Path:
     return folder
 
 
-def test_a_planted_pickle_is_not_unpickled_by_evaldag_run(results, tmp_path):
+@pytest.mark.parametrize("whole_record", [True, False], ids=["record", "bare"])
+def test_a_planted_pickle_is_not_unpickled_by_evaldag_run(results, tmp_path, whole_record):
     marker = tmp_path / "unpickled.txt"
     planted = results / KEY
-    planted.write_text(_record({"type": "pickle"}, base64.b64encode(pickle.dumps(_Planted(str(marker)))).decode()))
+    payload = base64.b64encode(pickle.dumps(_Planted(str(marker)))).decode()
+    planted.write_text(_record({"type": "pickle"}, payload) if whole_record else payload)
     for key in (KEY, str(planted)):      # the state names the record by its key, or (an unsaved block) its path
         assert prefect_results.read_result(_state(key)) is None
         assert runner._flow_summary(SimpleNamespace(state=_state(key)), "math500") is None
@@ -69,27 +71,28 @@ def test_a_planted_class_name_is_not_imported(results, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     summary = {"metrics": {"accuracy": 0.5, "obj": {"__class__": "planted_module.Thing", "data": {}}},
                "err": {"__exc_type__": "planted_module.Thing", "message": "m"}}
-    (results / KEY).write_text(_record({"type": "json", "object_decoder": "planted_module.Thing"},
-                                       json.dumps(summary)))
-    for key in (str(results / KEY), KEY):
-        runner._flow_summary(SimpleNamespace(state=_state(key, "json")), "math500")
-    assert not (tmp_path / "imported.txt").exists() and "planted_module" not in sys.modules
-    assert prefect_results.read_result(_state(KEY, "json")) == summary      # the same dicts: data, not objects
-    assert runner._flow_summary(SimpleNamespace(state=_state(KEY, "json")), "math500") == summary
+    for content in (_record({"type": "json", "object_decoder": "planted_module.Thing"}, json.dumps(summary)),
+                    json.dumps(summary)):     # a whole record; a result alone, as a flow writes it
+        (results / KEY).write_text(content)
+        for key in (str(results / KEY), KEY):
+            runner._flow_summary(SimpleNamespace(state=_state(key, "json")), "math500")
+        assert not (tmp_path / "imported.txt").exists() and "planted_module" not in sys.modules
+        assert prefect_results.read_result(_state(KEY, "json")) == summary      # the same dicts: data, not objects
+        assert runner._flow_summary(SimpleNamespace(state=_state(KEY, "json")), "math500") == summary
 
 
-def test_the_eval_flows_summary_is_read_back():
-    """What the eval flow writes (its summary, with the json serializer) is what read_result reads."""
+def test_the_eval_flows_summary_is_read_back(results):
+    """What the eval flow writes (its summary with the json serializer: a flow's file holds the result alone, its
+    metadata is in the API's state) is what read_result reads, as a task's whole record would be."""
     from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
     from prefect.serializers import JSONSerializer
 
     summary = {"eval_key": "k", "new_mlflow_run": True, "metrics": {"accuracy": 0.25, "cache_hit_rate": 0.0}}
     record = ResultRecord(metadata=ResultRecordMetadata(storage_key=KEY, serializer=JSONSerializer()),
                           result=summary)
-    folder = Path(prefect_results.storage_location())
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / KEY).write_bytes(record.serialize())
-    assert prefect_results.read_result(_state(KEY, "json")) == summary
+    for content in (record.serialize_result(), record.serialize()):
+        (results / KEY).write_bytes(content)
+        assert prefect_results.read_result(_state(KEY, "json")) == summary
 
 
 def _prefect_objects() -> list[tuple[str, object]]:

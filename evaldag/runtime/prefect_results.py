@@ -56,8 +56,8 @@ _RESULT_KEY = re.compile(r"[0-9a-f]{32}")
 
 def read_result(state: Any) -> Any | None:
     """The persisted result of a flow run's final `state`, parsed as plain JSON (dicts, lists, text, numbers; never
-    an object, whatever the record says its serializer is), or None when there is none or it cannot be read from
-    here. The record is found where the state's storage block (read as data from the API) points, else in this
+    an object, whatever serializer the state or the file names), or None when there is none or it cannot be read
+    from here. The file is found where the state's storage block (read as data from the API) points, else in this
     process's result store."""
     data = getattr(state, "data", None)
     if isinstance(data, dict):
@@ -68,10 +68,12 @@ def read_result(state: Any) -> Any | None:
         return None
     try:
         folder = _block_basepath(block_id) if block_id else storage_location()
-        record = json.loads((store.as_path(folder) / key).read_text())
-        result = record.get("result") if isinstance(record, dict) else None
-        return json.loads(result) if isinstance(result, str) else None
-    except Exception:    # a store or server this machine cannot reach, a record that is not JSON
+        content = json.loads((store.as_path(folder) / key).read_text())
+        if isinstance(content, dict) and content.keys() == {"metadata", "result"}:
+            # a whole record (a task's result): the result inside it is JSON text (a flow writes the result alone)
+            content = json.loads(content["result"]) if isinstance(content["result"], str) else None
+        return content
+    except Exception:    # a store or server this machine cannot reach, a file that is not JSON
         return None
 
 
