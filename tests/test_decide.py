@@ -13,7 +13,7 @@ from scipy import stats
 import polars as pl
 import pytest
 
-from evaldag.decisions import best as best_of_job, decide, pacing, verdicts
+from evaldag.decisions import best as best_of_job, decide, pacing, sequential, verdicts
 from evaldag.pipeline import generate
 from evaldag.storage import store
 from evaldag.decisions.decide import Decider, Decision, decision_order, round_ends, stop_path, stop_requested
@@ -207,6 +207,21 @@ def test_the_parent_decides_without_waiting_for_the_longest_answers_and_reduces_
     assert reused.stopped_at == 8
     again = reused.poll()
     assert (again.problems, again.tokens_generated, again.tokens_reused) == (8, 0, 10 * n * 10)
+
+
+def test_decider_against_every_candidate_for_the_best(setup):
+    """Given k candidates for the job's best, the Decider's looks are over the problems all of them have and its
+    upper bounds use alpha / k (issue 54): two candidates, one missing a problem."""
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results, limit=30, decide_rounds=15)
+    n = plan.sampling.n
+    order = decision_order(plan.sample_ids(), plan.sampling.seed)
+    one = pl.DataFrame({"sample_id": order, "n": [n] * 30, "score": [1.0] * 30})
+    two = one.filter(pl.col("sample_id") != order[0])
+    decider = Decider(plan, [one, two], "job@1", lambda rows: grade_rows(plan, rows))
+    assert decider.paired == order[1:] and decider.looks == tuple(range(1, 30, 2))
+    assert decider.z == sequential.pocock_boundary(decider.looks, 0.05)
+    assert decider.z_k == sequential.pocock_boundary(decider.looks, 0.05 / 2) > decider.z
 
 
 def test_an_undecided_evaluation_runs_to_the_end(setup):
