@@ -128,7 +128,8 @@ def worker(
         "0.0.0.0`); with --foreground, default the PREFECT_API_URL of the environment.", show_default=False)] = None,
     foreground: Annotated[bool, typer.Option(
         "--foreground", help="Run one worker in this process, attached, until it is stopped (SIGTERM or SIGINT: "
-        "its flow runs are stopped and reported, then it exits 0): for an sbatch job, a Kubernetes pod or a "
+        "as `prefect worker start`, it kills its runs' processes and exits 0; the lost-run automation sets those "
+        "runs Crashed and their evaluations start them again): for an sbatch job, a Kubernetes pod or a "
         "systemd unit. It uses the GPUs this process sees (CUDA_VISIBLE_DEVICES); nothing is recorded for "
         "`evaldag down`.")] = False,
     pool: Annotated[str, typer.Option(
