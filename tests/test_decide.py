@@ -224,6 +224,63 @@ def test_decider_against_every_candidate_for_the_best(setup):
     assert decider.z_k == sequential.pocock_boundary(decider.looks, 0.05 / 2) > decider.z
 
 
+class _State:
+    """A vLLM request state as evaldag.engines.vllm reads it (vLLM itself needs a GPU or its CPU build)."""
+
+    def __init__(self, rid: str, tokens: int) -> None:
+        self.request_id, self.is_prefilling = rid, False
+        self.detokenizer = type("Detokenizer", (), {"num_output_tokens": lambda _self: tokens})()
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.output_processor = type("Processor", (), {"request_states": {}})()
+        self.aborted: list[str] = []
+
+    def abort_request(self, ids) -> None:
+        self.aborted += list(ids)
+        for rid in ids:
+            self.output_processor.request_states.pop(rid, None)
+
+
+def test_tokens_of_withdrawn_requests_are_counted_as_generated(setup):
+    """Requests withdrawn at the stop had generated tokens that no row holds: the engine counts them at the abort
+    (vllm._Feed), the shard records them (decide.record_withdrawn), and the decision's `decide.tokens_generated`
+    includes them, so its `decide.tokens_saved_est` does not (issue 54)."""
+    from evaldag.engines.base import Request
+    from evaldag.engines.vllm import _Feed
+
+    engine = _Engine()
+    requests = [Request(k, "p", k) for k in range(3)]
+    added: list[str] = []
+
+    def add(i: int) -> str:
+        rid = f"r{i}"
+        engine.output_processor.request_states[rid] = _State(rid, 100 * (i + 1))
+        added.append(rid)
+        return rid
+
+    gone: frozenset = frozenset()
+    feed = _Feed(engine, requests, add, 2, None, lambda: gone)
+    feed.top_up()
+    assert added == ["r0", "r1"] and feed.withdrawn_tokens == 0
+    gone = frozenset({1, 2})                  # r1 runs (200 tokens so far), request 2 never started
+    feed.top_up()
+    assert engine.aborted == ["r1"] and feed.withdrawn_tokens == 200 and added == ["r0", "r1"]
+
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results, limit=30)
+    decision = Decision("stopped", "worse", "job@1", 8, 30, 8, -1.0, -1.0, -0.5, tokens_generated=100,
+                        tokens_full_est=3000, prefix=[])
+    decision.save(plan)
+    decide.record_withdrawn(plan, 0, "a1", 200)
+    decide.record_withdrawn(plan, 1, "b2", 50)
+    loaded = Decision.load(plan)
+    assert loaded.tokens_withdrawn == 250 and loaded.tokens_spent == 350
+    assert loaded.metrics()["decide.tokens_generated"] == 350
+    assert loaded.metrics()["decide.tokens_saved_est"] == 3000 - 350
+
+
 def test_an_undecided_evaluation_runs_to_the_end(setup):
     """A checkpoint as good as the incumbent on too few problems to be called equivalent: no round decides, the
     parent never stops it, and the final decision covers every problem."""

@@ -293,7 +293,7 @@ class PerRequest(ShardRun):
         self._withdrawn: frozenset | None = None
 
     def generate(self) -> None:
-        from evaldag.engines.base import Finished
+        from evaldag.engines.base import Finished, Withdrawn
 
         every_requests, every_s = chunk_policy()
         t1 = time.perf_counter()
@@ -317,6 +317,9 @@ class PerRequest(ShardRun):
                         self._finished(event.key, event.completions)
                         if self._gate is not None:
                             self._gate.finished(self._position[event.key])
+                    elif isinstance(event, Withdrawn):
+                        # spent on requests no row will hold: kept for the decision's token count
+                        decide.record_withdrawn(self.plan, self.shard, self._attempt, event.tokens)
                     elif event.tokens is not None:
                         self.running_tokens, self.running_counts = event.tokens, event.counts
                         self.counts_fresh = True
