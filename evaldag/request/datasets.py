@@ -96,7 +96,7 @@ def _content_hash(rows: list[dict], cfg: BenchmarkConfig) -> str:
     return h.hexdigest()
 
 
-def sample_ids(rows: list[dict], cfg: BenchmarkConfig) -> list[str]:
+def row_ids(rows: list[dict], cfg: BenchmarkConfig) -> list[str]:
     """Each row's id: its `fields.id` column, or its index in the split (0, 1, ...) where the config names none."""
     return [str(r[cfg.fields.id]) for r in rows] if cfg.fields.id else [str(i) for i in range(len(rows))]
 
@@ -113,7 +113,7 @@ def _check_rows(rows: list[dict], cfg: BenchmarkConfig, source: str) -> tuple[li
         if key and key not in rows[0]:
             raise DatasetError(f"benchmark {name!r}: column {key!r} (the config's fields.{field}) is not in "
                                f"{source}, which has {sorted(rows[0])}; set fields.{field} to one of those")
-    ids = sample_ids(rows, cfg)
+    ids = row_ids(rows, cfg)
     first: dict[str, int] = {}
     for i, sid in enumerate(ids):
         if sid in first:
@@ -166,7 +166,7 @@ def load_solutions(cfg: BenchmarkConfig, sample_ids: list[str]) -> list[str]:
     if f.solution is None:
         raise DatasetError(f"benchmark {cfg.name!r} names no reference solution column (fields.solution)")
     rows, source = _load_rows(cfg)
-    by_id = {sid: r.get(f.solution) for sid, r in zip(sample_ids(rows, cfg), rows)}
+    by_id = {sid: r.get(f.solution) for sid, r in zip(row_ids(rows, cfg), rows)}
     missing = [sid for sid in sample_ids if by_id.get(sid) in (None, "")]
     if missing:
         raise DatasetError(f"benchmark {cfg.name!r}: {len(missing)} problems have no {f.solution!r} in {source}, "
