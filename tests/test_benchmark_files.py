@@ -81,6 +81,10 @@ def test_user_folder_adds_to_the_built_ins(tmp_path, monkeypatch):
     assert str(folder / "benchmarks" / "mybench.yaml") in lines["mybench"]
     assert str(folder / "benchmarks" / "mybench.parquet") in lines["mybench"]
     assert "built-in" in lines["math500"] and "HuggingFaceH4/MATH-500@main (test)" in lines["math500"]
+    # `evaldag run mybench` sends the file, which the workers read without the user's EVALDAG_CONFIGS_DIR
+    from evaldag.runtime.runner import benchmark_names
+
+    assert benchmark_names("math500,mybench") == ["math500", str(folder / "benchmarks" / "mybench.yaml")]
 
 
 def test_plan_carries_config_and_data_and_the_key_follows_the_file(tmp_path):

@@ -89,11 +89,15 @@ def benchmark_names(text: str, error: type[Exception] = ValueError) -> list[str]
     """The benchmarks of a comma-separated list (`evaldag run --benchmarks math500,./mine.yaml`), each once, in
     order, a config file as its absolute path (the evaluation reads it in the worker's folder); `error` naming the
     problem for an empty list, a malformed name, one without a config or a config file that is not there."""
-    from evaldag.request.config import available, is_config_file
+    from evaldag.request.config import available, config_origins, is_config_file
     from evaldag.request.rules import check_benchmark_names
+    from evaldag.runtime.deployments import builtin_benchmarks
 
     refs = [b.strip() for b in text.split(",") if b.strip()]
     refs = [str(Path(b).expanduser().resolve()) if is_config_file(b) else b for b in refs]
+    # a benchmark only the user's folder has goes as its file: the workers may run without EVALDAG_CONFIGS_DIR
+    origins, builtin = config_origins("benchmarks"), set(builtin_benchmarks())
+    refs = [str(origins[b]) if b in origins and b not in builtin else b for b in refs]
     names = check_benchmark_names(list(dict.fromkeys(refs)), error)
     missing = [n for n in names if is_config_file(n) and not Path(n).is_file()]
     if missing:
