@@ -260,9 +260,9 @@ def _result(status: str, data: dict[str, np.ndarray], alive: list[str], dropped:
 
 def run_selection(rows: Mapping[str, Sequence[float]], generate: Callable[[dict[str, int]], Mapping[str, Sequence[float]]],
                   looks: Sequence[int], alpha: float = 0.05, margin: float = 0.02) -> Selection:
-    """Drive `select_step` to the end: `generate(need)` returns each named checkpoint's rows (all of them, in the
-    shared order) once it has at least `need[name]`; what the caller already has is passed in `rows` and never asked
-    for again. The flow's loop, in memory."""
+    """Drive `select_step` to the end: `rows` names every checkpoint of the selection with the rows it already has
+    (possibly none), which are never asked for again; `generate(need)` returns each named checkpoint's rows (all of
+    them, in the shared order) once it has at least `need[name]`. The flow's loop, in memory."""
     current = {str(k): np.asarray(v, dtype=np.float64) for k, v in rows.items()}
     while True:
         sel = select_step(current, looks, alpha, margin)

@@ -1,0 +1,145 @@
+"""What `evaldag select` costs and whether it is right, by simulation (evaldag.decisions.select; issue 54 item 3).
+
+Model: bench_decide.py's MATH-500-like difficulty (500 problems in MATH-500's five levels, per-problem solve rates
+from Beta distributions of concentration 1.5, so most problems are nearly always or nearly never solved), a fresh
+problem set in a fresh random order per simulated job. A job has 20 checkpoints at equally spaced steps i = 1..20 on
+an RL-like curve: the population accuracy follows ScaleRL's saturating form R(i) = R0 + (A - R0) / (1 + (C / i)^B)
+(R0 = 0.20, A = 0.57, C = 4, B = 2.5), with the last stretch bent down a little (-0.0008 (i - 17)^2 from step 17 on),
+so accuracy rises, then is flat: steps 15-20 lie within 0.7 points of each other and the truly best is step 18, not
+the last. Each checkpoint moves every problem's solve rate by one logit shift, chosen so that its mean over the
+difficulty model is R(i) (problems keep their difficulty order across checkpoints, as checkpoints of one run do).
+A checkpoint's score on a problem is Binomial(n, p) / n, independently given p; n = 1 is greedy-like 0/1 outcomes.
+
+Tokens: every sample of problem q costs len(q) tokens, len(q) log-normal (sd 0.5) times (1 + 2 x (1 - mean solve
+rate of q)): hard problems get longer answers, as on MATH-500. "tokens vs all in full" = tokens generated / tokens of
+evaluating all 20 checkpoints on all 500 problems (n samples each).
+
+Strategies:
+- select: evaldag.decisions.select over decide's 10 round ends (50, 100, ..., 500), alpha 0.05, margin 0.02; its
+  set holds the truly best (population accuracy) with probability >= 1 - alpha by construction; "best in set" is
+  the share of jobs where it did.
+- every 4th, then neighbours: steps 4, 8, 12, 16, 20 in full, then the two neighbours of the best of those in full;
+  picks the highest observed accuracy; "best in set" = picked the truly best.
+- last 5: steps 16-20 in full; picks the highest observed accuracy.
+
+Run: .venv/bin/python bench/bench_select.py   (--runs per n; about 1 min at the default on 2 idle cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: F401,E402  (puts the project on sys.path)
+from bench_decide import shifted, solve_rates  # noqa: E402
+from evaldag.decisions.select import planned_looks, select_step  # noqa: E402
+
+STEPS = np.arange(1, 21)
+R0, A, C, B = 0.20, 0.57, 8.0, 5.0
+WIGGLE = 0.004                       # checkpoint-to-checkpoint noise of the job's own curve (sd, accuracy)
+
+
+def curve(steps: np.ndarray = STEPS) -> np.ndarray:
+    """Population accuracy of each checkpoint before the job's wiggle: rising, then flat."""
+    return R0 + (A - R0) / (1 + (C / steps) ** B)
+
+
+def shift_table(seed: int = 12345) -> tuple[np.ndarray, np.ndarray]:
+    """(mean solve rate, logit shift) on a grid of shifts, to turn an accuracy into a shift (monotone)."""
+    p = solve_rates(np.random.default_rng(seed), 100).ravel()
+    shifts = np.linspace(-5.0, 5.0, 401)
+    return np.array([shifted(p, s).mean() for s in shifts]), shifts
+
+
+def simulate_job(rng: np.random.Generator, table: tuple[np.ndarray, np.ndarray], n: int
+                 ) -> tuple[np.ndarray, np.ndarray, int]:
+    """One job: scores (20, 500) in a random problem order, the tokens of one sample of each problem (500,), and the
+    index of its truly best checkpoint (population accuracy: the curve plus this job's wiggle)."""
+    acc = curve() + rng.normal(0.0, WIGGLE, STEPS.size)
+    shifts = np.interp(acc, *table)
+    base = solve_rates(rng, 1)[0]
+    rng.shuffle(base)
+    p = shifted(base[None, :], shifts[:, None])
+    scores = rng.binomial(n, p) / n
+    length = rng.lognormal(0.0, 0.5, base.size) * (1 + 2 * (1 - p.mean(axis=0)))
+    return scores, length, int(np.argmax(acc))
+
+
+def run_select(scores: np.ndarray, length: np.ndarray, looks: list[int], alpha: float, margin: float,
+               best: int) -> tuple[bool, int, float, bool]:
+    """(best in set, set size, tokens vs all in full, leader is the best) of one selection."""
+    rows = {str(s): scores[i] for i, s in enumerate(STEPS)}
+    sel = select_step(rows, looks, alpha, margin, intervals=False)
+    cum = np.concatenate([[0.0], np.cumsum(length)])
+    spent = sum(cum[r.problems] for r in sel.records)
+    return (str(STEPS[best]) in sel.chosen, len(sel.chosen), spent / (len(STEPS) * cum[-1]),
+            sel.best == str(STEPS[best]))
+
+
+def every_fourth(scores: np.ndarray) -> tuple[int, int]:
+    """(picked index, checkpoints evaluated in full): every 4th step, then the neighbours of the best of those."""
+    first = [3, 7, 11, 15, 19]
+    top = max(first, key=lambda i: scores[i].mean())
+    done = sorted(set(first) | {i for i in (top - 1, top + 1) if 0 <= i < len(STEPS)})
+    return max(done, key=lambda i: scores[i].mean()), len(done)
+
+
+def last_five(scores: np.ndarray) -> tuple[int, int]:
+    """(picked index, checkpoints evaluated in full): the last five steps."""
+    done = list(range(len(STEPS) - 5, len(STEPS)))
+    return max(done, key=lambda i: scores[i].mean()), len(done)
+
+
+def summary(x: np.ndarray) -> str:
+    """mean, and the quartiles around the median."""
+    q1, med, q3 = np.percentile(x, [25, 50, 75])
+    return f"median {med:.3g} (mean {x.mean():.3g}, quartiles {q1:.3g}-{q3:.3g})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", type=int, default=400, help="simulated jobs per n")
+    ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--margin", type=float, default=0.02)
+    ap.add_argument("--rounds", type=int, default=10, help="looks: decide's round ends")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    table = shift_table()
+    looks = planned_looks(500, args.rounds)
+    print(f"curve (population accuracy by step, before each job's wiggle of sd {WIGGLE}): "
+          + " ".join(f"{s}:{a:.3f}" for s, a in zip(STEPS, curve())))
+    print(f"alpha {args.alpha}, margin {args.margin}, looks {looks}; {args.runs} jobs per n")
+    start = time.perf_counter()
+    for n in (1, 4):
+        rng = np.random.default_rng([args.seed, n])
+        found, sizes, tokens, leader = [], [], [], []
+        hand = {"every 4th, then neighbours": ([], []), "last 5": ([], [])}
+        bests = []
+        for _ in range(args.runs):
+            scores, length, best = simulate_job(rng, table, n)
+            bests.append(STEPS[best])
+            f, size, t, lead = run_select(scores, length, looks, args.alpha, args.margin, best)
+            found.append(f), sizes.append(size), tokens.append(t), leader.append(lead)
+            for name, strategy in (("every 4th, then neighbours", every_fourth), ("last 5", last_five)):
+                picked, evaluated = strategy(scores)
+                hand[name][0].append(picked == best)
+                hand[name][1].append(evaluated / len(STEPS))
+        sizes_a, tokens_a = np.array(sizes), np.array(tokens)
+        print(f"select, 20 checkpoints, n={n}: best in set {np.mean(found):.3f}, median set size "
+              f"{np.median(sizes_a):g}, tokens vs all in full {np.median(tokens_a):.2f}")
+        print(f"    set size {summary(sizes_a)}; tokens {summary(tokens_a)}; its leader is the truly best in "
+              f"{np.mean(leader):.3f}")
+        for name, (picked, spent) in hand.items():
+            print(f"{name}, 20 checkpoints, n={n}: best in set {np.mean(picked):.3f}, median set size 1, "
+                  f"tokens vs all in full {np.median(spent):.2f}")
+        print(f"    truly best step: " + ", ".join(f"{s}: {c}" for s, c in zip(*np.unique(bests, return_counts=True))))
+    print(f"({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
