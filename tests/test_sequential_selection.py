@@ -35,7 +35,7 @@ def test_twenty_equal_earlier_checkpoints_false_worse_at_most_alpha():
 def test_no_differing_problem_in_150_is_not_equivalent_at_margin_002():
     """The 150-problem look of MATH-500's ten rounds with no differing problem: 2 % broken and none fixed shows
     this with probability 0.05, so it must not be `equivalent` at margin 0.02 (the t interval's half-width there is
-    0.017, the exact bound's 0.039)."""
+    0.017; the exact Clopper-Pearson bound on a one-sided rate 0.035, rare_interval's 0.039)."""
     ends = round_ends(500, 10)
     looks = list(ends)
     v = sequential.sequential_verdict(np.zeros(150), looks, 0.05, 0.02)
@@ -54,6 +54,16 @@ def test_one_sided_two_percent_break_is_rarely_equivalent():
     d = -(rng.random((2000, 500)) < 0.02).astype(np.float64)
     _, verdict = sequential.stopping_times(d, round_ends(500, 10), 0.05, 0.02)
     assert (verdict == "equivalent").mean() <= 0.05
+
+
+def test_equivalence_between_identical_checkpoints_stays_within_reach():
+    """The bound for rare differences costs little where many problems differ: identical checkpoints, n = 4,
+    U-shaped solve rates, 2,000 problems in 40 rounds, margin 0.04."""
+    rng = np.random.default_rng(8)
+    p = rng.beta(0.75, 0.75, size=(100, 2000))
+    d = (rng.binomial(4, p) - rng.binomial(4, p)) / 4
+    _, verdict = sequential.stopping_times(d, 50, 0.05, 0.04)
+    assert (verdict == "equivalent").mean() >= 0.9
 
 
 def test_chernoff_bound_is_clopper_pearson_at_zero():

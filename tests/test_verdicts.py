@@ -212,9 +212,7 @@ def test_stops_early_and_not_too_early_on_a_clear_difference():
 def test_equivalence_is_reached_for_identical_models():
     rng = np.random.default_rng(13)
     d = _paired_population(rng, 50, 2000, 0.0)
-    # margin 0.06: equivalence also needs the exact bounds on the broken and fixed shares (sequential.rare_interval),
-    # which on this population (40 % of problems differ) need about 1.4x the t interval's problems: 0.36 at 0.05
-    _, verdict = sequential.stopping_times(d, 50, alpha=0.05, margin=0.06)
+    _, verdict = sequential.stopping_times(d, 50, alpha=0.05, margin=0.05)
     assert (verdict == "equivalent").mean() >= 0.9
 
 
