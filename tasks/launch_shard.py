@@ -13,6 +13,7 @@ from prefect.deployments import run_deployment
 from evaldag.decisions.decide import Decision, stop_requested
 from evaldag.runtime.deployments import SHARD_DEPLOYMENT
 from evaldag.errors import CheckpointError
+from evaldag.pipeline import faults
 from evaldag.runtime.liveness import is_lost_run_crash, settled
 from evaldag.runtime.run_events import wait_until_final
 from evaldag.request.checkpoint import check_unchanged
@@ -58,6 +59,7 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
             if graded[path] is None and not (stop_requested(plan) and Decision.load(plan) is not None)]
     if todo:
         _run_shard(todo, shard_index, parent_run_id)
+        faults.maybe_fail("shard_done")     # a drill's hold: a cancel once the shard completed (test_cancel_windows)
         for path, plan in todo:
             graded[path] = plan.graded_path(shard_index)
             if not graded[path].is_file() and stop_requested(plan):

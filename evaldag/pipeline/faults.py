@@ -6,8 +6,8 @@ whose count is positive takes one off (under a file lock, so the budget holds ac
 missing file, or a count of 0, costs one `os.environ` lookup.
 
 Points: `generate` (between two batches, after the first batch's chunk is written), `grade` (before grading a
-shard), `reduce` (before a reduce), `track` (after the MLflow run is created and its metrics logged, before its
-artifacts).
+shard), `shard_done` (in the parent, once a shard's run completed), `reduce` (before a reduce), `track` (after the
+MLflow run is created and its metrics logged, before its artifacts).
 
 A hold instead parks the first process that reaches a point until a test lets it go, to act in that window (a
 cancel during track): `{"hold": {"track": "/tmp/go"}}` makes that process create `/tmp/go.reached`, then wait until
