@@ -31,8 +31,7 @@ import math
 import numpy as np
 
 from evaldag.decisions.pacing import RoundGate, pace_sample, round_of, worth_gating
-from evaldag.decisions.sequential import look_interval, pocock_boundary, stopping_times
-from evaldag.decisions.verdicts import verdict_from_interval
+from evaldag.decisions.sequential import pocock_boundary, selection_bounds, stopping_times
 
 CAP = 32_768
 STEP_BASE, STEP_PER_SEQ = 1.0, 1 / 128          # a step with 128 sequences takes twice one with a single sequence
@@ -188,8 +187,8 @@ def _decided_end(correct: np.ndarray, known: np.ndarray, score_a: np.ndarray, en
     for e in ends[:-1]:
         if share[e - 1] > 0.15:
             continue
-        low, high = look_interval(c[:e] - score_a[:e], z, d_high=c[:e] + u[:e] - score_a[:e])
-        if verdict_from_interval(float(low[0]), float(high[0]), margin) != "undecided":
+        bounds = selection_bounds([c[:e] - score_a[:e]], z, z, [c[:e] + u[:e] - score_a[:e]])
+        if bounds.verdicts(margin)[0] != "undecided":
             return e
     return None
 

@@ -16,7 +16,10 @@ Figures printed (alpha = 0.05, verdict read after every `--round` problems):
      the full evaluation's fixed-n verdict (evaldag.decisions.verdicts.paired_test on all 500 problems of the same run); both
      the rate over runs where the full evaluation decided, and the strict rate counting a full `undecided` as a
      disagreement;
- (c) at |difference| = 2 x margin: the median fraction of problems evaluated before stopping (goal <= 0.5).
+ (c) at |difference| = 2 x margin: the median fraction of problems evaluated before stopping (goal <= 0.5), with
+     its quartiles and mean;
+ (d) tokens per decision on slots (bench/_decide_tokens.py): median, mean and quartiles over runs;
+ (e) false `equivalent` at a one-sided 2 % difference, greedy, MATH-500 and GSM8K sizes (must be <= alpha).
 Run: .venv/bin/python bench/bench_decide.py   (about 20 s on 2 cores)
 """
 
@@ -28,6 +31,7 @@ import time
 
 import numpy as np
 
+from evaldag.decisions.decide import round_ends
 from evaldag.decisions.sequential import stopping_times
 from evaldag.decisions.verdicts import paired_test
 
@@ -146,10 +150,34 @@ def main() -> None:
     truth = np.where(np.arange(args.runs) < half, "better", "worse")
     print(f"(c) |difference| = 2 x margin {2 * args.margin}: median fraction of problems evaluated {frac:.2f} "
           f"(<= 0.5: {'yes' if frac <= 0.5 else 'NO'}); quartiles {np.quantile(stop / problems, 0.25):.2f}-"
-          f"{np.quantile(stop / problems, 0.75):.2f}; verdict right {(verdict == truth).mean():.1%}, "
-          f"undecided at the end {(verdict == 'undecided').mean():.1%}")
+          f"{np.quantile(stop / problems, 0.75):.2f}, mean {np.mean(stop / problems):.2f}; verdict right "
+          f"{(verdict == truth).mean():.1%}, undecided at the end {(verdict == 'undecided').mean():.1%}")
+    one_sided_equivalence(args, rng)
     tokens_per_decision(args, rng)
     print(f"wall time {time.perf_counter() - start:.1f} s")
+
+
+def one_sided_equivalence(args, rng: np.random.Generator, runs: int = 2000) -> None:
+    """(e) greedy, a checkpoint that breaks 2 % of the problems and fixes none (d_i = -1 there, 0 elsewhere): the
+    share of runs decide (stopping_times, decide's default ten rounds) calls `equivalent` at margin 0.02, which is
+    false (the difference is the margin's own size), on MATH-500's and GSM8K's problem counts; must be <= alpha."""
+    found = {}
+    for name, problems in (("MATH-500", 500), ("GSM8K", 1319)):
+        d = -(rng.random((runs, problems)) < 0.02).astype(np.float64)
+        _, verdict = stopping_times(d, round_ends(problems, 10), args.alpha, 0.02)
+        found[name] = ((verdict == "equivalent").mean(), problems)
+    worst = max(x for x, _ in found.values())
+    print(f"decide false equivalent, one-sided 2 % difference: {worst:.3f} ("
+          + ", ".join(f"{name} {problems} problems {x:.3f}" for name, (x, problems) in found.items())
+          + f"; greedy, margin 0.02, 10 rounds, {runs} runs; <= alpha {args.alpha}: "
+          f"{'yes' if worst <= args.alpha else 'NO'})")
+
+
+def _spread(values: list[float]) -> str:
+    """The mean and quartiles of simulated runs' figures, printed beside their median: a median can hide two
+    outcomes (runs whose round gate is lifted spend nearly all the tokens)."""
+    q1, q3 = np.quantile(values, [0.25, 0.75])
+    return f"mean {np.mean(values):.2f}, quartiles {q1:.2f}-{q3:.2f}"
 
 
 def tokens_per_decision(args, rng: np.random.Generator) -> None:
@@ -172,10 +200,11 @@ def tokens_per_decision(args, rng: np.random.Generator) -> None:
                                                 args.alpha, args.margin, 10, 2000))
                 full = np.median([sim.full_wall(rng, shifted(solve_rates(rng, 1)[0], delta), args.n, scale, slots,
                                                 32 * args.n) for _ in range(3)])
-                figures[policy] = (np.median([o["tokens"] for o in out]), np.median([o["wall"] for o in out]) / full)
-            (tb, wb), (ta, wa) = figures["before"], figures["after"]
-            print(f"decide tokens, {label}: median token fraction {ta:.2f} ({scale}; before {tb:.2f}; wall vs the "
-                  f"full evaluation {wa:.2f}x, before {wb:.2f}x; {args.token_runs} runs)")
+                figures[policy] = (np.median([o["tokens"] for o in out]), np.median([o["wall"] for o in out]) / full,
+                                   [o["tokens"] for o in out])
+            (tb, wb, _), (ta, wa, tokens) = figures["before"], figures["after"]
+            print(f"decide tokens, {label}: median token fraction {ta:.2f} ({_spread(tokens)}; {scale}; before "
+                  f"{tb:.2f}; wall vs the full evaluation {wa:.2f}x, before {wb:.2f}x; {args.token_runs} runs)")
         # what the gate costs where no verdict comes: the same checkpoint twice, run to the end on 8 slots
         walls = []
         for _ in range(max(1, args.token_runs // 2)):
@@ -185,8 +214,8 @@ def tokens_per_decision(args, rng: np.random.Generator) -> None:
                                           args.margin, 10, 2000)["wall"])
         full = np.median([sim.full_wall(rng, solve_rates(rng, 1)[0], args.n, scale, 8, 32 * args.n)
                           for _ in range(3)])
-        print(f"decide wall, no difference, 8 slots: {np.median(walls) / full:.2f}x the full evaluation's ({scale}; "
-              f"{len(walls)} runs)")
+        print(f"decide wall, no difference, 8 slots: {np.median(walls) / full:.2f}x the full evaluation's "
+              f"({_spread([w / full for w in walls])}; {scale}; {len(walls)} runs)")
 
 
 if __name__ == "__main__":

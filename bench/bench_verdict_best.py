@@ -10,6 +10,10 @@ picks noise, and a verdict against it is most biased. Any `worse` or `better` is
   alpha / k, module docstring there).
 Then the price: a new checkpoint worse than all k earlier ones (equal among themselves) by 2 x margin in accuracy,
 and the share of jobs that call it worse, before and after.
+The decide path (evaldag.decisions.decide, simulated by evaldag.decisions.sequential.stopping_times, the rule the
+Decider reads at decide's ten round ends): with 20 earlier checkpoints of equal skill, the share of jobs decide stops
+with `worse` or `better`, against the best alone (before: the incumbent of highest accuracy) and against every
+candidate (after: sequential.selection_bounds), printed as `decide vs best, 20 earlier checkpoints: ...`.
 Run: cd bench && ../.venv/bin/python bench_verdict_best.py   (5.5 min on 2 shared cores; --jobs for fewer)
 """
 
@@ -23,6 +27,8 @@ import numpy as np
 
 from bench_decide import delta_for, shifted, solve_rates
 from evaldag.decisions.best import best_verdict
+from evaldag.decisions.decide import round_ends
+from evaldag.decisions.sequential import stopping_times
 from evaldag.decisions.paired import paired_test, verdict_from_interval
 
 
@@ -61,10 +67,24 @@ def rates(new: np.ndarray, earlier: np.ndarray, n: int, margin: float, alpha: fl
             "after_worse": (after == "worse").mean(), "after_better": (after == "better").mean()}
 
 
+def decide_rates(new: np.ndarray, earlier: np.ndarray, n: int, margin: float, alpha: float,
+                 rounds: int = 10) -> dict[str, float]:
+    """Share of jobs the decide path stops with worse / better: against the earlier checkpoint of highest accuracy
+    alone (before) and against every one of them (after), at decide's round ends."""
+    x, c = new / n, earlier / n
+    ends = round_ends(x.shape[1], rounds)
+    best = c[np.arange(c.shape[0]), c.mean(axis=2).argmax(axis=1)]
+    _, before = stopping_times(x - best, ends, alpha, margin)
+    _, after = stopping_times(x[:, None, :] - c, ends, alpha, margin)
+    return {"before_worse": (before == "worse").mean(), "before_better": (before == "better").mean(),
+            "after_worse": (after == "worse").mean(), "after_better": (after == "better").mean()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=2000, help="simulated jobs per number of earlier checkpoints")
     ap.add_argument("--power-jobs", type=int, default=500, help="simulated jobs for the price in power")
+    ap.add_argument("--decide-jobs", type=int, default=1000, help="simulated jobs for the decide path")
     ap.add_argument("--n", type=int, default=4, help="samples per problem")
     ap.add_argument("--margin", type=float, default=0.02, help="equivalence margin (EVALDAG_VERDICT_MARGIN default)")
     ap.add_argument("--alpha", type=float, default=0.05, help="level (EVALDAG_VERDICT_ALPHA default)")
@@ -90,6 +110,16 @@ def main() -> None:
     r = rates(new, earlier, args.n, args.margin, args.alpha)
     print(f"price: new checkpoint {2 * args.margin:g} below 20 equal earlier ones ({args.power_jobs} jobs): called "
           f"worse before {r['before_worse']:.3f}, after {r['after_worse']:.3f}")
+    for n in sorted({1, args.n}):
+        new, earlier = simulate(args.decide_jobs, 20, n, 0.0, rng)
+        r = decide_rates(new, earlier, n, args.margin, args.alpha)
+        ok = max(r["after_worse"], r["after_better"]) <= args.alpha + 0.01
+        print(f"decide, n={n}, best alone (before): false worse {r['before_worse']:.3f}, false better "
+              f"{r['before_better']:.3f}")
+        print(f"decide vs best, 20 earlier checkpoints: false worse {r['after_worse']:.3f}, false better "
+              f"{r['after_better']:.3f}")
+        print(f"    n={n}, {args.decide_jobs} jobs, 10 rounds; both <= alpha + 0.01 = {args.alpha + 0.01:.2f}: "
+              f"{'yes' if ok else 'NO'}")
     print(f"wall time {time.perf_counter() - start:.1f} s")
 
 
