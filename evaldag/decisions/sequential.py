@@ -24,7 +24,13 @@ MATH-500 on median; this design decides it at 30 % (bench_decide), which at GPU 
 Validity needs the d_i to be draws from the population whose mean is the target: problems in a random order fixed
 before any result, and the looks fixed before any result too (decide: the round ends of the problem count). The
 verdict is the fixed-n rule (evaldag.decisions.verdicts.verdict_from_interval) read on the look's interval:
-`equivalent` inside [-margin, margin], `better` above 0, `worse` below 0, else `undecided` (keep going).
+`equivalent` inside [-margin, margin], `better` above 0, `worse` below 0, else `undecided` (keep going); `equivalent`
+also needs `rare_interval` inside the margin, an interval whose spread is not underestimated when the difference is
+rare and one-sided (few problems differ, all one way).
+
+Against a job's best (decide's `vs_best`), the new checkpoint is compared with every candidate for the best at once
+(`selection_bounds`, evaldag.decisions.best's rule at each look): lower bounds at alpha, upper bounds at alpha / k,
+so that picking the best on the problems it is compared on costs no error (docs/statistics.md).
 """
 
 from __future__ import annotations
