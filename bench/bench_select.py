@@ -38,15 +38,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: F401,E402  (puts the project on sys.path)
 from bench_decide import shifted, solve_rates  # noqa: E402
 from evaldag.decisions.select import planned_looks, select_step  # noqa: E402
+from evaldag.decisions.sequential import look_quantile, look_spread, pocock_boundary  # noqa: E402
 
 STEPS = np.arange(1, 21)
 R0, A, C, B = 0.20, 0.57, 8.0, 5.0
 WIGGLE = 0.004                       # checkpoint-to-checkpoint noise of the job's own curve (sd, accuracy)
 
 
-def curve(steps: np.ndarray = STEPS) -> np.ndarray:
+def curve(steps: np.ndarray = STEPS, mid: float = C, steep: float = B) -> np.ndarray:
     """Population accuracy of each checkpoint before the job's wiggle: rising, then flat."""
-    return R0 + (A - R0) / (1 + (C / steps) ** B)
+    return R0 + (A - R0) / (1 + (mid / steps) ** steep)
 
 
 def shift_table(seed: int = 12345) -> tuple[np.ndarray, np.ndarray]:
@@ -56,11 +57,11 @@ def shift_table(seed: int = 12345) -> tuple[np.ndarray, np.ndarray]:
     return np.array([shifted(p, s).mean() for s in shifts]), shifts
 
 
-def simulate_job(rng: np.random.Generator, table: tuple[np.ndarray, np.ndarray], n: int
+def simulate_job(rng: np.random.Generator, table: tuple[np.ndarray, np.ndarray], n: int, acc: np.ndarray
                  ) -> tuple[np.ndarray, np.ndarray, int]:
     """One job: scores (20, 500) in a random problem order, the tokens of one sample of each problem (500,), and the
     index of its truly best checkpoint (population accuracy: the curve plus this job's wiggle)."""
-    acc = curve() + rng.normal(0.0, WIGGLE, STEPS.size)
+    acc = acc + rng.normal(0.0, WIGGLE, STEPS.size)
     shifts = np.interp(acc, *table)
     base = solve_rates(rng, 1)[0]
     rng.shuffle(base)
@@ -79,6 +80,30 @@ def run_select(scores: np.ndarray, length: np.ndarray, looks: list[int], alpha: 
     spent = sum(cum[r.problems] for r in sel.records)
     return (str(STEPS[best]) in sel.chosen, len(sel.chosen), spent / (len(STEPS) * cum[-1]),
             sel.best == str(STEPS[best]))
+
+
+def t_reference(scores: np.ndarray, length: np.ndarray, looks: list[int], alpha: float, best: int
+                ) -> tuple[bool, int, float]:
+    """The same elimination read on decide's t intervals (evaldag.decisions.sequential: Pocock's boundary over the
+    looks at alpha / (k - 1), two-sided) instead of the bets: (best in set, set size, tokens vs all in full). Not
+    valid for rare one-sided differences (its normal approximation); printed to show what the valid bound costs."""
+    k = scores.shape[0]
+    z = pocock_boundary(tuple(looks), alpha / (k - 1))
+    alive = np.arange(k)
+    read = np.zeros(k, dtype=int)
+    for t in looks:
+        read[alive] = t
+        x = scores[alive, :t]
+        d = x[:, None, :] - x[None, :, :]
+        mean = d.mean(axis=2)
+        spread = ((d - mean[..., None]) ** 2).sum(axis=2)
+        upper = mean + look_quantile(z, t) * look_spread(spread, t) / np.sqrt(t)
+        np.fill_diagonal(upper, 1.0)
+        alive = alive[~(upper < 0).any(axis=1)]
+        if alive.size == 1:
+            break
+    cum = np.concatenate([[0.0], np.cumsum(length)])
+    return best in alive, int(alive.size), float(cum[read].sum() / (k * cum[-1]))
 
 
 def every_fourth(scores: np.ndarray) -> tuple[int, int]:
@@ -108,23 +133,27 @@ def main() -> None:
     ap.add_argument("--margin", type=float, default=0.02)
     ap.add_argument("--rounds", type=int, default=10, help="looks: decide's round ends")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mid", type=float, default=C, help="the curve's midpoint step (later: a shorter plateau)")
+    ap.add_argument("--steep", type=float, default=B, help="the curve's steepness B")
     args = ap.parse_args()
+    acc = curve(STEPS, args.mid, args.steep)
     table = shift_table()
     looks = planned_looks(500, args.rounds)
     print(f"curve (population accuracy by step, before each job's wiggle of sd {WIGGLE}): "
-          + " ".join(f"{s}:{a:.3f}" for s, a in zip(STEPS, curve())))
+          + " ".join(f"{s}:{a:.3f}" for s, a in zip(STEPS, acc)))
     print(f"alpha {args.alpha}, margin {args.margin}, looks {looks}; {args.runs} jobs per n")
     start = time.perf_counter()
     for n in (1, 4):
         rng = np.random.default_rng([args.seed, n])
-        found, sizes, tokens, leader = [], [], [], []
+        found, sizes, tokens, leader, ref = [], [], [], [], []
         hand = {"every 4th, then neighbours": ([], []), "last 5": ([], [])}
         bests = []
         for _ in range(args.runs):
-            scores, length, best = simulate_job(rng, table, n)
+            scores, length, best = simulate_job(rng, table, n, acc)
             bests.append(STEPS[best])
             f, size, t, lead = run_select(scores, length, looks, args.alpha, args.margin, best)
             found.append(f), sizes.append(size), tokens.append(t), leader.append(lead)
+            ref.append(t_reference(scores, length, looks, args.alpha, best))
             for name, strategy in (("every 4th, then neighbours", every_fourth), ("last 5", last_five)):
                 picked, evaluated = strategy(scores)
                 hand[name][0].append(picked == best)
@@ -134,6 +163,10 @@ def main() -> None:
               f"{np.median(sizes_a):g}, tokens vs all in full {np.median(tokens_a):.2f}")
         print(f"    set size {summary(sizes_a)}; tokens {summary(tokens_a)}; its leader is the truly best in "
               f"{np.mean(leader):.3f}")
+        ref_a = np.array(ref, dtype=float)
+        print(f"    reference, the same elimination on decide's t intervals (not valid for rare one-sided differences): "
+              f"best in set {ref_a[:, 0].mean():.3f}, median set size {np.median(ref_a[:, 1]):g}, tokens vs all in "
+              f"full {np.median(ref_a[:, 2]):.2f}")
         for name, (picked, spent) in hand.items():
             print(f"{name}, 20 checkpoints, n={n}: best in set {np.mean(picked):.3f}, median set size 1, "
                   f"tokens vs all in full {np.median(spent):.2f}")
