@@ -37,8 +37,8 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 
 from evaldag.request.config import SamplingConfig
-from evaldag.engines.base import (Completion, EngineBase, Event, Finished, Request, Running, Withdrawn, batches_by_length,
-                                  chat_text)
+from evaldag.engines.base import (Completion, EngineBase, Event, Finished, Request, Running, Withdrawn,
+                                  batches_by_length, chat_text)
 from evaldag.engines.context import PromptFit
 from evaldag.engines.vllm_args import CPU_KV_ENV, ModelShape, fit_to_workload, model_shape, validate_engine_args
 from evaldag.engines.vllm_process import (cpu_setup, descendants, env_hidden, is_resource_tracker,
