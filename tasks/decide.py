@@ -21,7 +21,8 @@ from tasks.retry import retry_transient
 @task(name="find-incumbent", persist_result=False,
       retries=3, retry_delay_seconds=[2, 5, 10], retry_condition_fn=retry_transient)
 def find_incumbent(plan_path: str):
-    """(per-problem scores, JOB@STEP) of the job's best evaluation so far with the same comparison key, or None."""
+    """(per-problem scores of every candidate for the job's best so far with the same comparison key, JOB@STEP of
+    the best of them), or None (evaldag.tracking.incumbent.best_so_far)."""
     from evaldag.tracking.incumbent import best_so_far
 
     return best_so_far(load_plan(plan_path))
