@@ -152,8 +152,8 @@ def main() -> None:
           f"(<= 0.5: {'yes' if frac <= 0.5 else 'NO'}); quartiles {np.quantile(stop / problems, 0.25):.2f}-"
           f"{np.quantile(stop / problems, 0.75):.2f}, mean {np.mean(stop / problems):.2f}; verdict right "
           f"{(verdict == truth).mean():.1%}, undecided at the end {(verdict == 'undecided').mean():.1%}")
-    one_sided_equivalence(args, rng)
     tokens_per_decision(args, rng)
+    one_sided_equivalence(args, rng)        # after (d): the runs above draw what they drew before it was added
     print(f"wall time {time.perf_counter() - start:.1f} s")
 
 
