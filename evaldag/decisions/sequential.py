@@ -259,8 +259,9 @@ def sequential_verdict(d: np.ndarray | Sequence[np.ndarray], looks: Sequence[int
     """The verdict at the look after T paired differences (in the random order they were evaluated), one of the
     planned `looks` (paired counts, increasing). `d`: the differences (T,) to one earlier checkpoint, or a list of
     them to each of k candidates for the job's best (`selection_bounds`); `mean` is then the smallest mean."""
-    ds = [np.asarray(x, dtype=np.float64) for x in d] if isinstance(d, (list, tuple)) else \
-        [np.asarray(d, dtype=np.float64)]
+    # a list of arrays is one per candidate; anything else (an array, a list of numbers) the differences to one
+    candidates = isinstance(d, (list, tuple)) and len(d) > 0 and np.ndim(d[0]) > 0
+    ds = [np.asarray(x, dtype=np.float64) for x in d] if candidates else [np.asarray(d, dtype=np.float64)]
     size = ds[0].size
     if size == 0:
         return SequentialVerdict(0, float("nan"), -1.0, 1.0, "undecided", alpha, margin)
