@@ -224,6 +224,38 @@ def test_decider_against_every_candidate_for_the_best(setup):
     assert decider.z_k == sequential.pocock_boundary(decider.looks, 0.05 / 2) > decider.z
 
 
+def test_best_so_far_returns_every_full_earlier_evaluation(setup, tmp_path, monkeypatch):
+    """decide's incumbent is every candidate for the job's best (the earlier full evaluations on the same comparison
+    key), read from a real MLflow store; one stopped early is none, nor is a later step (issue 54)."""
+    import mlflow
+
+    from evaldag.decisions.series import comparison_key
+    from evaldag.tracking.incumbent import best_so_far
+    from evaldag.tracking.names import COMPARISON_TAG, DECIDE_STATUS_TAG, experiment_name
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    ckpt, _, results = setup
+    plan = _decide_plan(ckpt, results, train_run="job", step=400)
+    client = mlflow.MlflowClient()
+    experiment = client.create_experiment(experiment_name(plan.benchmark.name),
+                                          artifact_location=(tmp_path / "artifacts").as_uri())
+    ids = plan.sample_ids()
+    for step, accuracy, stopped in ((100, 0.5, False), (200, 0.75, False), (300, 0.9, True), (500, 1.0, False)):
+        run = client.create_run(experiment, tags={"train_run": "job", "step": str(step), "kind": "ckpt_eval",
+                                                  COMPARISON_TAG: comparison_key(plan),
+                                                  **({DECIDE_STATUS_TAG: "stopped"} if stopped else {})})
+        client.log_metric(run.info.run_id, "accuracy", accuracy)
+        samples = tmp_path / f"samples-{step}" / "samples.parquet"
+        samples.parent.mkdir()
+        right = round(accuracy * len(ids))
+        pl.DataFrame({"sample_id": ids, "correct": [k < right for k in range(len(ids))]}).write_parquet(samples)
+        client.log_artifact(run.info.run_id, str(samples), "samples")
+        client.set_terminated(run.info.run_id)
+    scores, label = best_so_far(plan)
+    assert label == "job@200"
+    assert sorted(float(f["score"].mean()) for f in scores) == [0.5, 0.75]
+
+
 class _State:
     """A vLLM request state as evaldag.engines.vllm reads it (vLLM itself needs a GPU or its CPU build)."""
 
