@@ -332,3 +332,25 @@ def test_each_check_catches_a_planted_mismatch(tmp_path, planted, check):
              "import": lambda: import_mismatches(pieces),
              "path": lambda: path_mismatches(pieces)}[check]()
     assert found and found[0].startswith("page.md:3:"), found
+
+
+def test_what_is_legitimately_not_in_the_code_is_not_flagged(tmp_path):
+    """A user's own paths, placeholders, URLs, other programs' words and tag names pass every check."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n\n"
+        "```bash\n"
+        "# configs/models/my-policy.yaml\n"
+        "EVALDAG_CHECKPOINT_ROOTS=/ckpts .venv/bin/evaldag run math500 --checkpoint /ckpts/run-42/checkpoint-1200 \\\n"
+        "  --step 1200   # evaldag reads the folder\n"
+        "kubectl -n evaldag create secret generic evaldag-results --from-literal=A=b\n"
+        "pip install evaldag && make test PYTEST_ARGS=-x\n"
+        "```\n\n"
+        "Tags `evaldag.train_run` and `evaldag.checkpoint.saved`; a file `configs/benchmarks/<name>.yaml`; "
+        "see https://github.com/o/evaldag/blob/main/tests/test_gone.py and `/opt/evaldag/tests/x.py`.\n")
+    pieces = code_pieces(page)
+    assert not cli_mismatches(pieces, cli_tree())
+    assert not variable_mismatches(pieces, code_variables())
+    assert not make_mismatches(pieces, make_targets())
+    assert not import_mismatches(pieces)
+    assert not path_mismatches(pieces)
