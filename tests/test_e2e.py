@@ -220,8 +220,9 @@ def test_evaldag_run_cli_follows_and_reports(live_stack, tmp_path):
     assert "logged before" not in third.stdout and "accuracy" in third.stdout
 
     bad = subprocess.run([evaldag, "run", "math5000"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1
-    assert "cannot start eval/math5000" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2        # refused before anything is asked of the server: a usage error
+    assert "no benchmark config for math5000" in bad.stderr and "EVALDAG_CONFIGS_DIR" in bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 @pytest.fixture(scope="module")

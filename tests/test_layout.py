@@ -95,10 +95,11 @@ def test_no_module_of_evaldag_imports_one_that_imports_it_back():
 
 
 def test_the_core_never_imports_the_runtime():
-    """evaldag.runtime (Prefect, processes, servers) composes the core; only it and the CLI may import it."""
+    """evaldag.runtime (Prefect, processes, servers) composes the core; only it and the CLI (evaldag.cli) may
+    import it."""
     offenders = {m: sorted(d for d in deps if d.startswith("evaldag.runtime"))
                  for m, deps in _graph().items()
-                 if not m.startswith("evaldag.runtime") and m != "evaldag.cli"}
+                 if not m.startswith("evaldag.runtime") and m != "evaldag.cli" and not m.startswith("evaldag.cli.")}
     assert not {m: d for m, d in offenders.items() if d}
 
 
@@ -116,7 +117,7 @@ def test_the_layout_page_names_every_package_and_no_flat_core_module_is_left():
     missing = [p for p in packages if f"| `evaldag/{p}/` |" not in layout]
     assert not missing, f"docs/layout.md has no line for: {missing}"
     flat = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert flat == ["__init__", "cli", "errors", "paths"], (
+    assert flat == ["__init__", "errors", "paths"], (
         f"modules left flat in evaldag/ (put each in the package of its concept): {flat}")
 
 
@@ -133,7 +134,11 @@ MAX_MODULE_LINES, MAX_FUNCTION_LINES = 450, 60
 # Known exceptions, each with its reason. An entry that no longer exceeds the bound fails the test, so the list
 # stays true; remove it once the module or function is split.
 LONG_MODULES: dict[str, str] = {}
-LONG_FUNCTIONS: dict[str, str] = {}
+LONG_FUNCTIONS: dict[str, str] = {
+    "evaldag/cli/__init__.py:run": "one typer option per parameter, declared in the signature (typer's way)",
+    "evaldag/cli/worker.py:worker": "one typer option per parameter, declared in the signature (typer's way)",
+    "flows/eval_flow.py:eval_flow": "one flat parameter each, so `-p key=value` works from Prefect's CLI and UI",
+}
 
 
 def _sizes() -> tuple[dict[str, int], dict[str, int]]:

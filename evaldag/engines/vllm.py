@@ -81,7 +81,7 @@ class VLLMEngine(EngineBase):
 
         self.batch_size = batch_size
         self._requests = 0
-        # always a yes or no: left unset, transformers asks on stdin (under a SIGALRM) for a checkpoint with its own code
+        # always a yes or no: left unset, transformers asks on stdin (under a SIGALRM) for a checkpoint with its code
         self.tokenizer = AutoTokenizer.from_pretrained(model_path,
                                                        trust_remote_code=bool(args.get("trust_remote_code", False)))
         # seed: vLLM's global seed; every request carries its own seed anyway (sample_seed)
@@ -170,16 +170,15 @@ class VLLMEngine(EngineBase):
                           withdrawn: Callable[[], Collection] | None = None) -> Iterator[Event]:
         """Every request into the engine at once (continuous batching over all of them); yields a Finished as each
         request finishes, and every `report_s` seconds at most a Running with the tokens the unfinished requests
-        have generated so far (None where vLLM does not say). A completion's latency_s is its own request's: from the engine step in which it
-        produced its first token (its prefill included) to the step that finished it, not its time in the queue.
-        Closing the iterator early aborts the requests still in the engine, so an engine kept loaded for a retry
-        starts it empty.
+        have generated so far (None where vLLM does not say). A completion's latency_s is its own request's: from
+        the engine step of its first token (prefill included) to the step that finished it, not its time queued.
+        Closing the iterator early aborts the requests still in the engine (a kept engine starts a retry empty).
 
         Pacing, for an evaluation that may stop early (evaldag.decisions.decide): `max_in_flight`, at most this many
-        requests in the engine at once, the next added as one finishes; `hold(k)`, whether the k-th request (in
-        order) must wait for now (asked before each step: the answer may change as requests finish); `withdrawn()`, the keys of requests no longer wanted (asked before
-        each step): aborted if running, never started otherwise, and never reported as Finished; a Withdrawn
-        event then gives the tokens the aborted ones had generated (spent, in no completion)."""
+        requests in the engine at once; `hold(k)`, whether the k-th request must wait for now; `withdrawn()`, the
+        keys of requests no longer wanted: aborted if running, never started otherwise, never reported Finished;
+        a Withdrawn event then gives the tokens the aborted ones had generated (spent, in no completion). Both are
+        asked before each step (the answers change as requests finish)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -198,9 +197,8 @@ class VLLMEngine(EngineBase):
         waiting = feed.waiting
         try:
             feed.top_up()
-            submitted = time.perf_counter()
+            submitted = last_report = time.perf_counter()
             started: dict[str, float] = {}      # request id -> start of the step that gave its first token
-            last_report = submitted
             while waiting and engine.has_unfinished_requests():
                 step_start = time.perf_counter()
                 outputs = engine.step()

@@ -104,7 +104,8 @@ def benchmark_names(text: str, error: type[Exception] = ValueError) -> list[str]
         raise error(f"no benchmark config file {', '.join(missing)}")
     unknown = [n for n in names if not is_config_file(n) and n not in available("benchmarks")]
     if unknown:
-        raise error(f"no benchmark config for {', '.join(unknown)}; known: {', '.join(available('benchmarks'))}")
+        raise error(f"no benchmark config for {', '.join(unknown)} (known: {', '.join(available('benchmarks'))}); "
+                    "give a config file's path (./mybench.yaml) or put <name>.yaml in EVALDAG_CONFIGS_DIR")
     return names
 
 

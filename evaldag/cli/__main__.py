@@ -1,0 +1,5 @@
+"""`python -m evaldag.cli`: the `evaldag` command."""
+
+from evaldag.cli import app
+
+app()
