@@ -16,6 +16,8 @@ from evaldag.events.identity import checkpoint_tag, evaluation_id
 _PAGE = 200
 # The tag of evaluation flow runs the sweeper (or eval-latest) started under a job name made from the folder's
 SWEPT_TAG = "evaldag-swept"
+# The tag of a swept evaluation a trainer's event adopted: what it logged to MLflow before is moved to that job
+ADOPTED_TAG = "evaldag-adopted"
 # The parameters that say whose evaluation it is and where its job's curve goes (not part of its identity)
 _JOB_PARAMETERS = ("train_run", "mlflow_parent_run_id", "final_step", "baseline")
 
@@ -35,9 +37,8 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
     a run a person cancelled unless `include_cancelled`, otherwise exactly one retry. The returned dict's `relaunch`
     says which (None without `relaunch_failed` or when the first run is live or completed).
 
-    The job's name is not part of the identity: an evaluation found under another job's name is that job's, except
-    that one the sweeper started (`adopt_train_run`: its job name is the folder's) is adopted by the trainer's
-    event (`_adopt`), which names the job for real. The returned dict's `train_run` says whose it is."""
+    The job's name is not part of the identity: an evaluation under another job's name is that job's (the returned
+    `train_run`), but the trainer's event adopts one the sweeper started (`adopt_train_run`): `_move_tracked`."""
     names = [benchmarks] if isinstance(benchmarks, str) else list(dict.fromkeys(benchmarks))
     tag = checkpoint_tag(checkpoint, step)
     if adopt_train_run and (known := _train_run_of_earlier_runs(tag)) and known != train_run:
@@ -62,6 +63,7 @@ def start_evaluation(benchmarks: str | list[str], checkpoint: str, step: int, tr
         params = {**{k: v for k, v in params.items() if k not in _JOB_PARAMETERS},
                   **{k: fr.parameters[k] for k in _JOB_PARAMETERS if fr.parameters.get(k) is not None}}
         train_run = params["train_run"]
+    _move_tracked(fr, names)
     run_name = fr.name                              # a retry is named after the evaluation's first run
     tags = [tag, SWEPT_TAG] if SWEPT_TAG in (fr.tags or []) else [tag]
     action = None
@@ -93,7 +95,7 @@ def _adopt(fr: Any, params: dict) -> Any:
     job = {k: params.get(k) for k in _JOB_PARAMETERS}
     parameters = {**{k: v for k, v in fr.parameters.items() if k not in _JOB_PARAMETERS},
                   **{k: v for k, v in job.items() if v is not None}}
-    tags = [t for t in fr.tags if t != SWEPT_TAG]
+    tags = [t for t in fr.tags if t != SWEPT_TAG] + [ADOPTED_TAG]
     with get_client(sync_client=True) as client:
         client.update_flow_run(fr.id, parameters=parameters, tags=tags)
         adopted = client.read_flow_run(fr.id)
@@ -117,11 +119,25 @@ def adopted_plan(plan: Any, flow_run_id: str | None) -> Any:
         return plan
     with get_client(sync_client=True) as client:
         parameters = client.read_flow_run(run_id).parameters
-    if parameters.get("train_run") in (None, plan.train_run):
-        return plan
-    job = {k: parameters.get(k) for k in _JOB_PARAMETERS}
-    return plan.model_copy(update={"train_run": job["train_run"],
-                                   "request": plan.request.model_copy(update=job)})
+    from evaldag.tracking.adopt import as_job
+
+    return as_job(plan, {k: parameters.get(k) for k in _JOB_PARAMETERS})
+
+
+def _move_tracked(fr: Any, names: list[str]) -> None:
+    """What the adopted flow run `fr` logged to MLflow before its adoption, moved to the job it evaluates for now
+    (evaldag.tracking.adopt.move_to_job): an evaluation that finished before the trainer's late event, or whose
+    track step had read its job before. Done by every start that finds it adopted and under way, so that one
+    failing half way is finished by the next; what is moved already is not moved again. Nothing for a flow run
+    not adopted, or not started yet."""
+    if ADOPTED_TAG not in (fr.tags or []) or not fr.state or not (fr.state.is_running() or fr.state.is_completed()):
+        return
+    from evaldag.tracking.adopt import move_to_job
+
+    moved = move_to_job(str(fr.id), names, {k: fr.parameters.get(k) for k in _JOB_PARAMETERS})
+    if moved:
+        get_run_logger().info("flow run %s had logged %d MLflow run(s) before its adoption: moved to job %s",
+                              fr.name, len(moved), fr.parameters.get("train_run"))
 
 
 def _settled_decision(fr: Any, key: str, names: list[str], include_cancelled: bool) -> relaunch.Decision:

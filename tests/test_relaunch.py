@@ -307,17 +307,17 @@ def test_an_evaluation_cancelled_through_the_api_relaunches_no_shard_and_stays_c
 # ---- a checkpoint the sweeper found first, announced late by its trainer under the job's own name (issue 51 item 7)
 
 @flow
-def _sweep(checkpoint: str, folder_job: str) -> dict:
+def _sweep(checkpoint: str, folder_job: str, benchmark: str = "math500") -> dict:
     from tasks.start_evaluation import start_evaluation
 
-    return start_evaluation("math500", checkpoint, 10, folder_job, None, relaunch_failed=True, adopt_train_run=True)
+    return start_evaluation(benchmark, checkpoint, 10, folder_job, None, relaunch_failed=True, adopt_train_run=True)
 
 
 @flow
-def _announce(checkpoint: str, train_run: str, overrides: dict) -> dict:
+def _announce(checkpoint: str, train_run: str, overrides: dict, benchmark: str = "math500") -> dict:
     from tasks.start_evaluation import start_evaluation
 
-    return start_evaluation("math500", checkpoint, 10, train_run, overrides, relaunch_failed=True)
+    return start_evaluation(benchmark, checkpoint, 10, train_run, overrides, relaunch_failed=True)
 
 
 def test_a_late_event_adopts_the_evaluation_the_sweeper_started(prefect_api, tmp_path, sqlite_mlflow, configs):
@@ -354,3 +354,49 @@ def test_a_late_event_adopts_the_evaluation_the_sweeper_started(prefect_api, tmp
     tags = MlflowClient().get_run(tracked.run_id).data.tags
     assert tags["train_run"] == "trainer-job" and parent in tags["evaldag.parent_run_refused"]   # no such run here
     assert MlflowClient().get_run(tags["evaldag.parent_run_id"]).data.tags["train_run"] == "trainer-job"
+
+
+def test_a_late_event_moves_the_sweepers_evaluation_logged_already(prefect_api, tmp_path, sqlite_mlflow, configs):
+    """The sweeper's evaluation finished and was logged to MLflow under the folder's job before the trainer's event
+    came: the event adopts it, and its MLflow run moves to the trainer's job (tag, parent run id) with the curve
+    point in the trainer's parent run. A second late event, and the next sweep, evaluate and move nothing more."""
+    import json
+
+    import polars as pl
+    from mlflow import MlflowClient
+
+    from evaldag.request.plan import EvalRequest, resolve
+    from evaldag.tracking.names import experiment_name
+    from evaldag.tracking.parent_runs import parent_run
+    from tasks.track import track_task
+
+    with _client() as client:   # eval/aime24: a benchmark whose problems the tests have offline
+        client.create_deployment(flow_id=client.create_flow_from_name("eval"), name="aime24")
+    ckpt = str(complete_checkpoint(tmp_path / "folder-job" / "checkpoint-10").resolve())
+    swept = _sweep(ckpt, "folder-job", "aime24")
+    plan = resolve(EvalRequest(benchmark="aime24", checkpoint=ckpt, step=10, limit=2, num_shards=1,
+                               train_run="folder-job"), tmp_path / "results")
+    pl.DataFrame({"sample_id": ["a", "b"], "correct": [True, False]}).write_parquet(plan.path("samples.parquet"))
+    metrics = {"accuracy": 0.5, "reward/mean": 0.5, "reward/std": 0.5, "n_samples": 2.0}
+    plan.path("metrics.json").write_text(json.dumps(metrics))
+    tracked = track_task.fn(str(plan.path("plan.json")), metrics, swept["flow_run_id"])
+    _set(swept["flow_run_id"], Completed())
+    mlflow = MlflowClient()
+    folder_parent = parent_run(mlflow, "folder-job")
+    curve = {k: v for k, v in mlflow.get_run(folder_parent).data.metrics.items() if k.startswith("aime24")}
+    assert curve and mlflow.get_run(tracked.run_id).data.tags["train_run"] == "folder-job"
+
+    for _ in range(2):   # the late event, then a duplicate of it
+        late = _announce(ckpt, "trainer-job", {}, "aime24")
+        assert (late["flow_run_id"], late["train_run"]) == (swept["flow_run_id"], "trainer-job")
+    again = _sweep(ckpt, "folder-job", "aime24")
+    assert again["flow_run_id"] == swept["flow_run_id"]
+    trainer_parent = parent_run(mlflow, "trainer-job")
+    tags = mlflow.get_run(tracked.run_id).data.tags
+    assert (tags["train_run"], tags["evaldag.parent_run_id"]) == ("trainer-job", trainer_parent)
+    for key, value in curve.items():   # the point, once, at the step
+        points = mlflow.get_metric_history(trainer_parent, key)
+        assert [(p.step, p.value) for p in points] == [(10, value)], key
+    runs = mlflow.search_runs([mlflow.get_experiment_by_name(experiment_name("aime24")).experiment_id],
+                              filter_string="tags.kind = 'ckpt_eval'")
+    assert [r.info.run_id for r in runs] == [tracked.run_id]
