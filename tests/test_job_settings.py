@@ -6,9 +6,7 @@ from __future__ import annotations
 import pytest
 from test_keys import _keys
 from test_plan import KeyWorld
-from typer.testing import CliRunner
 
-from evaldag.cli import app
 from evaldag.client.notifier import CheckpointNotifier
 from evaldag.errors import CheckpointError, ConfigError
 from evaldag.events.checkpoint_event import job_overrides, validate_checkpoint_event
@@ -145,19 +143,7 @@ def test_the_callback_takes_the_settings_and_no_model_option():
 # --------------------------------------------------------------------------------------- CLI
 
 
-@pytest.fixture
-def sent(monkeypatch):
-    from evaldag.runtime import runner
-    from evaldag.runtime import stack as stack_module
-
-    calls = []
-    monkeypatch.setattr(stack_module, "Stack", lambda *a, **k: None)
-    monkeypatch.setattr(runner, "run_and_report", lambda stack, benchmark, params: calls.append((benchmark, params)))
-    return calls
-
-
-def _run(*args: str):
-    return CliRunner().invoke(app, ["run", *args], env={"COLUMNS": "200"})
+from test_run_options import _run, sent  # noqa: E402,F401 - the CLI runner and its fixture, shared
 
 
 def test_the_cli_sets_sampling_and_engine_settings(sent):

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
 
+from cluster_helpers import wait
 from conftest import complete_checkpoint
 from evaldag.client import CheckpointNotifier
 from evaldag.tracking.names import JOBS_EXPERIMENT
@@ -21,15 +21,6 @@ from evaldag.tracking.refusals import LAST_REFUSAL_TAG, REFUSALS_TABLE, REFUSALS
 pytestmark = [pytest.mark.stack]
 
 REASON = "is not under an allowed checkpoint root"
-
-
-def _wait_for(predicate, timeout: float = 300, every: float = 1.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if value := predicate():
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s")
 
 
 def _final_checkpoint_run(path: str):
@@ -53,7 +44,7 @@ def test_a_refused_event_reaches_the_trainer_and_the_parent_run(live_stack, tmp_
     notifier = CheckpointNotifier(train_run="refused-run", api_url=live_stack.settings.prefect_api_url,
                                   spool_dir=tmp_path / "spool")
     first = notifier.notify(outside, step=5)
-    run = _wait_for(lambda: _final_checkpoint_run(str(outside)))
+    run = wait(lambda: _final_checkpoint_run(str(outside)), timeout=300)
     assert run.state.is_failed() and REASON in run.state.message, run.state
 
     # the next save hears of it: one warning, naming the event and the reason
@@ -63,12 +54,12 @@ def test_a_refused_event_reaches_the_trainer_and_the_parent_run(live_stack, tmp_
     assert len(warnings) == 1 and first in warnings[0] and REASON in warnings[0], warnings
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="evaldag.client.notifier"):   # said once, not at every save
-        _wait_for(lambda: _final_checkpoint_run(str(tmp_path / "elsewhere" / "checkpoint-6")))
+        wait(lambda: _final_checkpoint_run(str(tmp_path / "elsewhere" / "checkpoint-6")), timeout=300)
         notifier.notify(complete_checkpoint(tmp_path / "elsewhere" / "checkpoint-7"), step=7)
     assert not [r for r in caplog.records if first in r.getMessage()]
 
     # the job's parent run carries it: a count, the latest reason, and a table row per refusal
-    job = _wait_for(lambda: _job_run("refused-run"))
+    job = wait(lambda: _job_run("refused-run"), timeout=300)
     assert int(job.data.tags[REFUSALS_TAG]) >= 1
     assert REASON in job.data.tags[LAST_REFUSAL_TAG]
     table = MlflowClient().load_table(job.info.experiment_id, REFUSALS_TABLE, run_ids=[job.info.run_id])
