@@ -75,7 +75,8 @@ class CheckpointEvent(BaseModel):
 
     path: str = Field(min_length=1, description="absolute checkpoint folder")
     step: int = Field(ge=MIN_STEP, description="training step: the x axis of the MLflow metrics")
-    epoch: int | None = Field(None, ge=MIN_STEP)
+    epoch: int | None = Field(None, ge=MIN_STEP, description="training epoch of the checkpoint, when the trainer "
+                                                             "counts epochs")
     train_run: str = Field(pattern=TRAIN_RUN_PATTERN, description="name of the training run")
     benchmarks: list[Annotated[str, AfterValidator(check_benchmark_ref)]] | None = Field(
         None, min_length=1, description="benchmark config names or config files' absolute paths; None = the default")
@@ -84,11 +85,14 @@ class CheckpointEvent(BaseModel):
                                                     "SamplingOverrides)")
     engine_settings: dict | None = Field(None, description="this job's engine settings over the model's "
                                                            "(evaldag.request.config.EngineSettings)")
-    mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN)
+    mlflow_parent_run_id: str | None = Field(None, pattern=RUN_ID_PATTERN,
+                                             description="the training job's MLflow run, when the trainer made one")
     final_step: int | None = Field(None, ge=1, description="the job's planned last step, for its forecast")
     decide: str | dict | None = Field(None, description="stop the evaluation early once its verdict against the "
                                                         "job's best is decided (evaldag.request.rules.check_decide)")
-    extra: dict[str, Any] = Field(default_factory=dict)
+    extra: dict[str, Any] = Field(default_factory=dict,
+                                  description="the trainer's own small settings, such as limit (evaluate only the "
+                                              "first problems); at most 16 KiB of JSON")
 
 
 def _real(path: str | Path) -> Path:

