@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 from collections.abc import Sequence
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.exceptions import MissingContextError
 from prefect.futures import PrefectWrappedFuture
 
 from evaldag.decisions.decide import Decider, Decision, poll_seconds, stop_path
+from evaldag.decisions.reach import reach_note
 from evaldag.storage import store
 from evaldag.request.plan import EvalPlan, load_plan
 from evaldag.pipeline.grade import grade_rows
@@ -30,7 +33,9 @@ def find_incumbent(plan_path: str):
 
 def deciders_for(plan_paths: Sequence[str], plans: Sequence[EvalPlan]) -> tuple[dict[str, Decider], dict[str, Decision]]:
     """A Decider for each plan that asks for one and has an incumbent; the decision already known for the others
-    (one kept from an earlier attempt of this evaluation, or `no_incumbent`)."""
+    (one kept from an earlier attempt of this evaluation, or `no_incumbent`). Where the plan's settings cannot reach
+    every verdict on its problems (evaldag.decisions.reach: too few for the margin), it says so now, in the log and
+    a Prefect artifact, before any shard starts; the decision keeps the statement (Decision.note)."""
     deciders, known = {}, {}
     for path, plan in zip(plan_paths, plans):
         if plan.request.decide is None:
@@ -44,11 +49,27 @@ def deciders_for(plan_paths: Sequence[str], plans: Sequence[EvalPlan]) -> tuple[
         found = find_incumbent(path)
         if found is None:
             alpha, margin, _ = plan.decide_settings
-            known[path] = Decision("no_incumbent", n_problems=plan.n_problems, alpha=alpha, margin=margin)
-            continue
-        scores, label = found
-        deciders[path] = Decider(plan, scores, label, lambda rows, plan=plan: grade_rows(plan, rows))
+            known[path] = Decision("no_incumbent", n_problems=plan.n_problems, alpha=alpha, margin=margin,
+                                   note=reach_note(plan))
+            note = known[path].note
+        else:
+            scores, label = found
+            deciders[path] = Decider(plan, scores, label, lambda rows, plan=plan: grade_rows(plan, rows))
+            note = deciders[path].note
+        if note:
+            # said before any shard starts: the verdicts these settings cannot reach on this benchmark
+            _logger().warning("decide %s: %s", plan.benchmark.name, note)
+            create_markdown_artifact(f"**{plan.benchmark.name}**: {note}", key=f"decide-{plan.benchmark.name}",
+                                     description="what decide cannot decide on this benchmark, said before it ran")
     return deciders, known
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The flow run's logger (its log in the Prefect UI), or this module's outside a run."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
 
 
 def still_running(futures: Sequence[PrefectWrappedFuture], timeout: float) -> list[PrefectWrappedFuture]:

@@ -272,6 +272,8 @@ def logged_verdict_lines(tags: Mapping[str, str], metrics: Mapping[str, float]) 
         lines.append(text)
     elif tags.get("decide.status") == "no_incumbent":
         lines.append("decide vs best: nothing earlier in this job to compare with; evaluated in full")
+    if tags.get("decide.note"):         # what decide could not reach on this benchmark (evaldag.decisions.reach)
+        lines.append(f"decide: {tags['decide.note']}")
     for name in REFERENCES:
         verdict = tags.get(f"verdict.vs_{name}")
         if verdict is None:
