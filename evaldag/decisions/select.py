@@ -275,8 +275,9 @@ def run_selection(rows: Mapping[str, Sequence[float]], generate: Callable[[dict[
 
 
 def smallest_margin(n_problems: int, k: int, alpha: float = 0.05) -> float:
-    """The smallest margin an equivalence can be shown at on `n_problems`, in the most favourable case: every
-    problem scored the same by the two checkpoints (d = 0 throughout)."""
+    """The smallest margin an equivalence among `k` checkpoints can be shown at on `n_problems`, in the most
+    favourable case: every problem scored the same by all of them (d = 0 throughout), read to the last problem (the
+    bets are valid at any count, so the looks do not change it). 1.0 when no margin below 1 can be shown."""
     log_thr = log_threshold(k, alpha)
     zeros = np.zeros(n_problems)
     if log_wealth(zeros, -1.0 + 1e-9, upper=False) < log_thr:
@@ -293,17 +294,30 @@ def smallest_margin(n_problems: int, k: int, alpha: float = 0.05) -> float:
 
 def too_small(n_problems: int, k: int, margin: float, alpha: float = 0.05, benchmark: str = "the benchmark"
               ) -> str | None:
-    """Before anything is generated: None when `n_problems` can show checkpoints within `margin` of each other, else
-    the message to print (even if two checkpoints agreed on every problem, their bound would be wider than the
-    margin; the selection would still drop clearly worse checkpoints, but could never call the rest equivalent)."""
+    """Before anything is generated: None when `n_problems` can show `k` checkpoints within `margin` of each other
+    (in the most favourable case, `smallest_margin`), else the message to print. It names the benchmark's size, the
+    margin asked and the smallest one it could show, the smallest difference at which a checkpoint can be dropped
+    at all (another one better on that many problems and worse on none: the most favourable data for a drop), what
+    the selection returns instead (`undecided`: every checkpoint not dropped, still holding the best with
+    probability 1 - alpha) and the fixes. Pure and quick (milliseconds): call it before spending, then refuse or go
+    on as the caller decides."""
     need = smallest_margin(n_problems, k, alpha)
     if need <= margin:
         return None
-    return (f"{benchmark} has {n_problems} problems: too few to tell {k} checkpoints apart at margin {margin:g} "
-            f"(alpha {alpha:g}). Even if two checkpoints agreed on every problem, it could show them no closer than "
-            f"{need:.3f} to each other. Use --margin {math.ceil(need * 100) / 100:g} or more, "
-            "or a larger benchmark; at this margin select can only drop clearly worse checkpoints and would return "
-            "the rest as undecided.")
+    log_thr = log_threshold(k, alpha)
+    # the wealth of "worse" grows only on the problems that differ: p problems at d = -1, the rest agreeing
+    drop = next((p for p in range(1, n_problems + 1) if log_wealth(-np.ones(p), 0.0, upper=True) >= log_thr), None)
+    text = (f"{benchmark} has {n_problems} problems: too few to show {k} checkpoints within margin {margin:g} of "
+            f"each other (alpha {alpha:g}). Even if two checkpoints agreed on every problem, select could show "
+            + ("them no closer than 1." if need >= 1.0 else f"them no closer than {need:.3f}."))
+    text += (f" It drops a checkpoint only when another one beats it on at least {drop} of the {n_problems} problems "
+             f"(at best: losing none), a difference of {drop / n_problems * 100:.0f} points or more"
+             if drop is not None else " It cannot drop any checkpoint either, whatever the answers")
+    text += ("; checkpoints closer than that are returned together as `undecided` (the set still holds the best "
+             f"with probability {1 - alpha:g}).")
+    fix = (f"Use --margin {math.ceil(need * 100) / 100:g} or more, or a larger benchmark" if need < 0.99
+           else "Use a larger benchmark")
+    return f"{text} {fix}, or fewer checkpoints (fewer comparisons need less evidence each)."
 
 
 __all__ = ["CheckpointRecord", "LAMBDAS", "STATUSES", "Selection", "confidence_bounds", "log_threshold",
