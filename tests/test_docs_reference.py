@@ -118,7 +118,7 @@ def test_the_configuration_reference_has_every_field_with_its_description(site):
             missing.append(f"{model.__name__} (no section #{anchor})")
             continue
         rows = {plain(m.group(1)): plain(m.group(2))
-                for m in re.finditer(r"<tr><td><code>(.*?)</code></td>(.*?)</tr>", found[anchor], re.S)}
+                for m in re.finditer(r"<tr><td[^>]*><code>(.*?)</code></td>(.*?)</tr>", found[anchor], re.S)}
         for name, field in model.model_fields.items():
             if name not in rows:
                 missing.append(f"{model.__name__}.{name}")

@@ -24,6 +24,15 @@ from pydantic.fields import FieldInfo
 
 log = logging.getLogger("mkdocs.hooks.reference")
 MARKER = re.compile(r"^<!-- reference:(\w+) -->$", re.M)
+CSS = "reference/tables.css"
+LONG_DEFAULT = 24   # characters of a default shown in its own column; a longer one goes under the description
+
+
+def on_config(config: Any) -> Any:
+    """Add the tables' stylesheet (docs/reference/tables.css: names in a first column are not broken)."""
+    if CSS not in config.extra_css:
+        config.extra_css.append(CSS)
+    return config
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
@@ -47,10 +56,13 @@ def inline(text: str) -> str:
     return "".join(f"<code>{html.escape(p)}</code>" if i % 2 else html.escape(p) for i, p in enumerate(parts))
 
 
-def table(head: list[str], rows: list[list[str]]) -> str:
-    """An HTML table (cells already HTML), one block with no blank line, so Markdown passes it through."""
+def table(head: list[str], rows: list[list[str]], nowrap: int = 1) -> str:
+    """An HTML table (cells already HTML), one block with no blank line, so Markdown passes it through. The first
+    `nowrap` columns (names, types) do not wrap: an option's name broken at its hyphens reads as two."""
+    def cell(i: int, c: str) -> str:
+        return f'<td style="white-space: nowrap">{c}</td>' if i < nowrap else f"<td>{c}</td>"
     out = ["<table>", "<thead><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr></thead>", "<tbody>"]
-    out += ["<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows]
+    out += ["<tr>" + "".join(cell(i, c) for i, c in enumerate(row)) + "</tr>" for row in rows]
     return "\n".join([*out, "</tbody>", "</table>"])
 
 
@@ -106,15 +118,17 @@ def _params_table(cmd: Any, ctx: Any) -> str:
         extra = extra.removesuffix("]")
         if param.param_type_name == "argument":
             extra = "; ".join(x for x in ("positional argument", extra) if x)
-        rows.append([f"<code>{html.escape(flags)}</code>", html.escape(value.removesuffix(">")), inline(help_text),
-                     inline(extra)])
-    return table(["argument or option", "value", "description", "details"], rows) if rows else ""
+        details = f"<br><em>{inline(extra)}</em>" if extra else ""
+        rows.append([f"<code>{html.escape(flags)}</code>", html.escape(value.removesuffix(">")),
+                     inline(help_text) + details])
+    return table(["argument or option", "value", "description"], rows, nowrap=2) if rows else ""
 
 
 # ---- the configuration -----------------------------------------------------------------------------------------
 
 def config_sections() -> list[tuple[str, str, type[BaseModel], str]]:
-    """The models of the configuration reference: (heading, anchor, model, where a user writes it)."""
+    """The models of the configuration reference: (heading, anchor, model, where a user writes it). The models are
+    imported here, at build time, so the page shows the code being built."""
     from evaldag.decisions.adaptive import AdaptiveSettings
     from evaldag.events.checkpoint_event import CheckpointEvent
     from evaldag.request.config import (BenchmarkConfig, DatasetSource, EngineSettings, FieldMap, ModelConfig,
@@ -133,7 +147,8 @@ def config_sections() -> list[tuple[str, str, type[BaseModel], str]]:
         ("Model config", "model-config", ModelConfig,
          "`configs/models/<alias>.yaml` or `$EVALDAG_CONFIGS_DIR/models/<alias>.yaml`"),
         ("Evaluation request", "evaluation-request", EvalRequest,
-         "the parameters of the `eval/<benchmark>` deployments (`evaldag run` sets most of them from its options)"),
+         "the parameters of the `eval/<benchmark>` and `eval/suite` deployments (`evaldag run` sets most of them from "
+         "its options); the flow also takes `benchmarks` (several at once, `eval/suite`) and `dispatch`"),
         ("engine_settings", "engine-settings", EngineSettings,
          "a request's or a checkpoint event's `engine_settings`, over the model config's"),
         ("Sampling overrides", "sampling-overrides", SamplingOverrides,
@@ -155,11 +170,16 @@ def config_markdown() -> str:
             if not field.description:
                 log.warning("%s.%s has no description: give it Field(description=...) in %s (the configuration "
                             "reference shows it)", model.__name__, name, model.__module__)
-            rows.append([f"<code>{html.escape(name)}</code>", type_html(field.annotation, anchors),
-                         default_html(field), inline(field.description or ""), inline(bounds(field))])
-        parts += [f"## {heading} {{#{anchor}}}", f"<p>Written in: {inline(where)}.</p>",
+            default, limits = default_html(field), bounds(field)
+            notes = [f"<em>{inline(limits)}</em>"] if limits else []
+            if len(re.sub(r"<[^>]+>", "", default)) > LONG_DEFAULT:   # a narrow column: the value under the text
+                notes.append(f"default: {default}")
+                default = "<em>below</em>"
+            rows.append([f"<code>{html.escape(name)}</code>", type_html(field.annotation, anchors), default,
+                         "<br>".join([inline(field.description or ""), *notes])])
+        parts += [f"## {heading} {{#{anchor}}}", f"<p>Where: {inline(where)}.</p>",
                   paragraphs(model.__doc__ or ""),
-                  table(["field", "type", "default", "description", "bounds"], rows)]
+                  table(["field", "type", "default", "description (and bounds)"], rows)]
     return "\n\n".join(p for p in parts if p)
 
 
