@@ -60,17 +60,23 @@ run: up
 	$(BIN)/evaldag run math500
 
 # Everything, the vLLM engine's tests included, then the end-to-end tests once more with the Prefect server on
-# PostgreSQL (this is what CI runs, through .ci/run). Two pytest processes side by side: the tests marked `stack`
-# or `model`, in order (one stack and one model process at a time), and beside them the tests that need neither
-# (`make test-fast`, pure CPU), which use what the first leaves idle while it waits on servers, heartbeats and
-# retries. The second's report follows the first's; both must pass. (Not niced: a starved fast test would miss
-# its own short timeouts, e.g. grading's.)
+# PostgreSQL (this is what CI runs, through .ci/run). Two pytest sessions side by side: the tests marked `stack`
+# or `model`, and beside them the tests that need neither (`make test-fast`, pure CPU), which use what the first
+# leaves idle while it waits on servers, heartbeats and retries. The first is itself split over STACK_WORKERS
+# pytest-xdist workers, a test file at a time (--dist loadfile: a file's tests share their module fixtures and run
+# in order), each worker with its own stack on its own free ports and temporary folder (tests/conftest.py): most of
+# a stack test is waiting, so a second worker nearly halves that session's wall time on 2 cores
+# (docs/testing.md). --no-loadscope-reorder keeps tests/conftest.py's order (the longest files first) instead of
+# xdist's by number of tests. The second's report follows the first's; both must pass. (Not niced: a starved fast
+# test would miss its own short timeouts, e.g. grading's.)
 FAST := not stack and not model
+STACK_WORKERS ?= 2
 
 test: setup model
 	@$(BIN)/python -m pytest -q -m "$(FAST)" -p no:cacheprovider --durations=5 \
 		> .pytest-fast.log 2>&1 & fast=$$!; \
-	$(BIN)/python -m pytest -q -m "stack or model" --durations=25; rc=$$?; \
+	$(BIN)/python -m pytest -q -m "stack or model" -n $(STACK_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=25; rc=$$?; \
 	wait $$fast; fast_rc=$$?; echo "--- beside it, the tests that need neither the stack nor the model:"; \
 	cat .pytest-fast.log; test $$rc -eq 0 && test $$fast_rc -eq 0
 	$(MAKE) test-postgres
