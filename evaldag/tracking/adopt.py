@@ -24,8 +24,7 @@ from evaldag.tracking import client as tracking_client
 from evaldag.tracking.history import history_row, job_history
 from evaldag.tracking.names import experiment_name
 from evaldag.tracking.parent_runs import PARENT_REFUSED_TAG
-from evaldag.tracking.run_claims import current_writer
-from evaldag.tracking.write import _log_to_parent_run, _Writing
+from evaldag.tracking.write import log_to_parent_run
 
 log = logging.getLogger("evaldag")
 
@@ -85,13 +84,12 @@ def _move(client, exp_id: str, run, job: dict[str, Any]) -> None:
         metrics = json.loads(Path(client.download_artifacts(run.info.run_id, "config/metrics.json", tmp)).read_text())
     plan = as_job(plan, job)
     step = plan.request.step
-    # the point is stamped with the run's start, as track() stamps it: a repeated move writes the same point again
-    writing = _Writing(client, run.info.run_id, current_writer(run)[0], int(run.info.start_time), step)
     history = job_history(client, exp_id, plan.train_run, comparison_key(plan)).filter(pl.col("step") != step)
     history = pl.concat([history, pl.DataFrame([history_row(step, metrics)]).cast(history.schema)]).sort("step")
     if PARENT_REFUSED_TAG in run.data.tags:   # said of the folder job's parent run; the new one says its own
         client.delete_tag(run.info.run_id, PARENT_REFUSED_TAG)
-    _log_to_parent_run(writing, plan, metrics, history)
+    # stamped with the run's start, as track() stamps it: a repeated move writes the same point again
+    log_to_parent_run(client, run, plan, metrics, history)
     client.set_tag(run.info.run_id, "train_run", plan.train_run)
 
 

@@ -294,6 +294,16 @@ def _falling_behind(w: _Writing, exp_id: str, plan: EvalPlan, history: pl.DataFr
         return []
 
 
+def log_to_parent_run(client: Any, run: Any, plan: EvalPlan, metrics: dict, history: pl.DataFrame) -> None:
+    """Log the curve point of `run`, an evaluation's finished MLflow run, into the parent run of `plan`'s job: its
+    headline `metrics` at the plan's step and, when the plan names the job's final step, the forecast there from
+    `history` (the job's evaluations alike, this one included). Stamped with the run's start as `track` stamps its
+    points, so a repeated call writes the same point again (evaldag.tracking.adopt: an evaluation moved to the job
+    a late event names)."""
+    writing = _Writing(client, run.info.run_id, current_writer(run)[0], int(run.info.start_time), plan.request.step)
+    _log_to_parent_run(writing, plan, metrics, history)
+
+
 def _log_to_parent_run(w: _Writing, plan: EvalPlan, metrics: dict, history: pl.DataFrame) -> None:
     """The training job's parent run gets this benchmark's headline figures at this step, and, when the request
     names the job's final step, the forecast of the accuracy there (`_log_forecast`)."""
@@ -388,4 +398,5 @@ def _set_tag_best_effort(client, run_id: str, key: str, value: str) -> None:
             log.info("tag %s of run %s not set (%s)", key, run_id, e)
 
 
-__all__ = ["TrackedRun", "differing_results", "ensure_experiment", "find_run", "parent_run", "track"]
+__all__ = ["TrackedRun", "differing_results", "ensure_experiment", "find_run", "log_to_parent_run", "parent_run",
+           "track"]
