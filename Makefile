@@ -59,33 +59,37 @@ up: model
 run: up
 	$(BIN)/evaldag run math500
 
-# Everything, the vLLM engine's tests included, then the end-to-end tests once more with the Prefect server on
-# PostgreSQL (this is what CI runs, through .ci/run). Two pytest sessions side by side: the tests marked `stack`
-# or `model`, and beside them the tests that need neither (`make test-fast`, pure CPU), which use what the first
-# leaves idle while it waits on servers, heartbeats and retries. The first is itself split over STACK_WORKERS
-# pytest-xdist workers, a test file at a time (--dist loadfile: a file's tests share their module fixtures and run
-# in order), each worker with its own stack on its own free ports and temporary folder (tests/conftest.py): most of
-# a stack test is waiting, so a second worker nearly halves that session's wall time on 2 cores
-# (docs/testing.md). --no-loadscope-reorder keeps tests/conftest.py's order (the longest files first) instead of
-# xdist's by number of tests. The second's report follows the first's; both must pass. (Not niced: a starved fast
-# test would miss its own short timeouts, e.g. grading's.)
+# Everything, the vLLM engine's tests included, and the end-to-end tests once more with the Prefect server on
+# PostgreSQL (this is what CI runs, through .ci/run). Two lines of pytest sessions side by side. One: the tests
+# marked `stack` or `model`, over STACK_WORKERS pytest-xdist workers, a test file at a time (--dist loadfile: a
+# file's tests share their module fixtures and run in order), each worker with its own stack on its own free ports
+# and temporary folder (tests/conftest.py, docs/testing.md), so that while a file waits on heartbeats, the server's
+# cancel loop or timeouts the other worker has the cores; --no-loadscope-reorder keeps conftest's order (the
+# longest files first) instead of xdist's by number of tests. Two: the tests that need neither (`make test-fast`,
+# pure CPU), then `make test-postgres`'s tests (their own stack and PostgreSQL cluster), which so no longer add
+# their time after the rest. The second line's reports follow the first's; all must pass. (Not niced: a starved
+# fast test would miss its own short timeouts, e.g. grading's.)
 FAST := not stack and not model
 STACK_WORKERS ?= 2
 
 test: setup model
-	@$(BIN)/python -m pytest -q -m "$(FAST)" -p no:cacheprovider --durations=5 \
-		> .pytest-fast.log 2>&1 & fast=$$!; \
+	@( $(BIN)/python -m pytest -q -m "$(FAST)" -p no:cacheprovider --durations=5 > .pytest-fast.log 2>&1; \
+	   fast_rc=$$?; $(POSTGRES_TESTS) > .pytest-postgres.log 2>&1; pg_rc=$$?; \
+	   test $$fast_rc -eq 0 && test $$pg_rc -eq 0 ) & side=$$!; \
 	$(BIN)/python -m pytest -q -m "stack or model" -n $(STACK_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=25; rc=$$?; \
-	wait $$fast; fast_rc=$$?; echo "--- beside it, the tests that need neither the stack nor the model:"; \
-	cat .pytest-fast.log; test $$rc -eq 0 && test $$fast_rc -eq 0
-	$(MAKE) test-postgres
+	wait $$side; side_rc=$$?; echo "--- beside it, the tests that need neither the stack nor the model:"; \
+	cat .pytest-fast.log; echo "--- then, beside it too, make test-postgres:"; cat .pytest-postgres.log; \
+	test $$rc -eq 0 && test $$side_rc -eq 0
 
 # What the database changes, once more with the stack's Prefect server on a private PostgreSQL cluster (the tests
 # marked `postgres`: deployments, events and automations, the gpu concurrency limit, an evaluation and its idempotent
 # rerun). Needs PostgreSQL's server programs: `apt-get install postgresql`.
+POSTGRES_TESTS = EVALDAG_TEST_DATABASE=postgres $(BIN)/python -m pytest -q -m "stack and postgres" \
+	-p no:cacheprovider tests/test_e2e.py tests/test_triggers_e2e.py
+
 test-postgres: setup model
-	EVALDAG_TEST_DATABASE=postgres $(BIN)/python -m pytest -q -m "stack and postgres" tests/test_e2e.py tests/test_triggers_e2e.py
+	$(POSTGRES_TESTS)
 
 # The fast subset: no stack, no model.
 test-fast: setup
