@@ -41,11 +41,12 @@ def _relaunchable(task, task_run, state) -> bool:
 
 
 @task(name="launch-shard", persist_result=False, retries=2, retry_delay_seconds=5, retry_condition_fn=_relaunchable)
-def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) -> list[str | None]:
+def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str, launch: str = "") -> list[str | None]:
     """Start one shard flow run for shard `shard_index` of every plan that still needs it, wait for it, and return
     the graded file of each plan (in the order of `plan_paths`; None for a plan its parent decided early and
     stopped, evaldag.decisions.decide). The plans are the benchmarks of one checkpoint: the shard run loads the engine once
-    for all of them."""
+    for all of them. `launch` tells apart launches of the same shard by one parent (a selection's rounds, each a
+    longer prefix): the same one is the same shard run."""
     log = get_run_logger()
     plans = [load_plan(p) for p in plan_paths]
     graded = {path: shard_done(plan, shard_index) for path, plan in zip(plan_paths, plans)}
@@ -58,7 +59,7 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
             # a decided evaluation's shard still finishes its part of the decided prefix, until the decision is final
             if graded[path] is None and not (stop_requested(plan) and Decision.load(plan) is not None)]
     if todo:
-        _run_shard(todo, shard_index, parent_run_id)
+        _run_shard(todo, shard_index, parent_run_id, launch)
         faults.maybe_fail("shard_done")     # a drill's hold: a cancel once the shard completed (test_cancel_windows)
         for path, plan in todo:
             graded[path] = plan.graded_path(shard_index)
@@ -71,7 +72,7 @@ def launch_shard(plan_paths: list[str], shard_index: int, parent_run_id: str) ->
     return [None if graded[path] is None else str(graded[path]) for path in plan_paths]
 
 
-def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id: str) -> None:
+def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id: str, launch: str = "") -> None:
     """Run shard `shard_index` of the plans `todo` as one flow run of the shard deployment and wait for it; raise
     unless it completed."""
     attempt = get_run_context().task_run.run_count
@@ -88,7 +89,7 @@ def _run_shard(todo: list[tuple[str, EvalPlan]], shard_index: int, parent_run_id
         parameters={"plan_path": [path for path, _ in todo], "shard_index": shard_index},
         flow_run_name=f"{names}-{todo[0][1].eval_key[:8]}-shard{shard_index}of{width}",
         tags=[f"{ROUND_TAG}{r}" for r in sorted(rounds) if r > 1],
-        idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}", timeout=0,
+        idempotency_key=f"{parent_run_id}:{keys}:{shard_index}:{attempt}{':' + launch if launch else ''}", timeout=0,
     )
     from evaldag.tracking.client import preload
 

@@ -22,7 +22,7 @@ def _flow_name(entrypoint: str) -> str:
 def test_manifest_deploys_exactly_the_named_deployments():
     names = {f"{_flow_name(dep['entrypoint'])}/{dep['name']}" for dep in _manifest()}
     assert names == {*d.benchmark_deployments(), d.SUITE_DEPLOYMENT, d.SHARD_DEPLOYMENT, d.CHECKPOINT_DEPLOYMENT,
-                     d.SWEEPER_DEPLOYMENT, d.LATEST_DEPLOYMENT}
+                     d.SWEEPER_DEPLOYMENT, d.LATEST_DEPLOYMENT, d.SELECT_DEPLOYMENT}
 
 
 def test_one_eval_deployment_per_benchmark_config_on_the_pools_stack_creates():

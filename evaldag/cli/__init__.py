@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 
 from evaldag.errors import EvalDagError, redact_url, warn_deprecated
 from evaldag.cli.benchmarks import benchmarks_app
+from evaldag.cli.selection import select
 from evaldag.cli.worker import worker
 
 
@@ -318,6 +319,7 @@ def run(
 
 
 app.add_typer(benchmarks_app, name="benchmarks")
+app.command()(select)
 
 
 @app.command("flush-events")

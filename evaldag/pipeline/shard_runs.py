@@ -183,12 +183,12 @@ class PerBatch(ShardRun):
             self.todo = [(b, p) for b, p in self.todo if any(self.records[i]["sample_id"] in prefix
                                                              for i in self.batches[b])]
             self.stopped = True
-        todo_ids = {b for b, _ in self.todo}
-        self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b not in todo_ids)
-        self.samples_done = sum(self.runs[i][1] for b, idx in enumerate(self.batches) if b not in todo_ids
-                                for i in idx)
-        self.resumed_tokens = sum(tokens_of(self._chunk(b)) for b in range(len(self.batches)) if b not in todo_ids)
-        self.resumed = {"resumed_batches": len(self.batches) - len(self.todo), "resumed_problems": self.done,
+        # written: not every batch outside `todo` is (a stopped evaluation's beyond its prefix are not wanted)
+        done_ids = {b for b in range(len(self.batches)) if self._chunk(b).is_file()}
+        self.done = sum(len(idx) for b, idx in enumerate(self.batches) if b in done_ids)
+        self.samples_done = sum(self.runs[i][1] for b, idx in enumerate(self.batches) if b in done_ids for i in idx)
+        self.resumed_tokens = sum(tokens_of(self._chunk(b)) for b in done_ids)
+        self.resumed = {"resumed_batches": len(done_ids), "resumed_problems": self.done,
                         "resumed_samples": self.samples_done}
         self.start_forecast(sum(self.runs[i][1] for b, _ in self.todo for i in self.batches[b]))
 

@@ -96,10 +96,14 @@ class EvalRequest(BaseModel):
                                                            "its accuracy there is logged on the job's parent run")
     # Sequential stopping (evaldag.decisions.decide). Part of the eval_key (a stopped evaluation's metrics are over a prefix
     # of the problems), not of the generation key: a later full evaluation reuses the rows generated before the stop.
-    decide: Literal["vs_best"] | None = Field(None, description="stop generating as soon as the paired verdict "
-                                                                "against the job's best checkpoint so far is "
-                                                                "decided (repeated confidence intervals, valid at "
-                                                                "every round end)")
+    # "select": one checkpoint's part of a selection (evaldag.decisions.select_rows): its shards generate the prefix
+    # of the decision order the selection names in the stop file, and nothing decides inside the evaluation.
+    decide: Literal["vs_best", "select"] | None = Field(None, description="stop generating as soon as the paired "
+                                                                          "verdict against the job's best "
+                                                                          "checkpoint so far is decided (repeated "
+                                                                          "confidence intervals, valid at every "
+                                                                          "round end); `select`: a selection's "
+                                                                          "prefix only (evaldag select)")
     decide_alpha: float | None = Field(None, gt=0, lt=1, description="error rate of the sequential verdict "
                                                                      f"(default {DEFAULT_ALPHA})")
     decide_margin: float | None = Field(None, ge=0, lt=1, description="accuracy difference within which two "

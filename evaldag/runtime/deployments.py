@@ -22,6 +22,7 @@ SHARD_FLOW = "eval-shard"
 CHECKPOINT_FLOW = "on-checkpoint"
 SWEEPER_FLOW = "eval-sweeper"
 LATEST_FLOW = "eval-latest"
+SELECT_FLOW = "eval-select"
 
 # work pools: parent flows only orchestrate on `cpu`; shards generate and grade on `gpu`
 CPU_POOL = "cpu"
@@ -34,6 +35,7 @@ SHARD_DEPLOYMENT = f"{SHARD_FLOW}/{GPU_POOL}"    # one shard per flow run, on th
 CHECKPOINT_DEPLOYMENT = f"{CHECKPOINT_FLOW}/{CHECKPOINT_FLOW}"
 SWEEPER_DEPLOYMENT = f"{SWEEPER_FLOW}/hourly"
 LATEST_DEPLOYMENT = f"{LATEST_FLOW}/nightly"
+SELECT_DEPLOYMENT = f"{SELECT_FLOW}/{SELECT_FLOW}"   # a job's best checkpoint (evaldag select)
 
 
 def eval_deployment(benchmark: str) -> str:
@@ -61,5 +63,6 @@ def benchmark_deployments() -> list[str]:
 
 __all__ = ["MANIFEST", "EVAL_FLOW", "SHARD_FLOW", "CHECKPOINT_FLOW", "SWEEPER_FLOW", "LATEST_FLOW", "CPU_POOL",
            "GPU_POOL", "POOLS", "SUITE", "SUITE_DEPLOYMENT", "SHARD_DEPLOYMENT", "CHECKPOINT_DEPLOYMENT",
-           "SWEEPER_DEPLOYMENT", "LATEST_DEPLOYMENT", "eval_deployment", "evaluation_deployment",
+           "SWEEPER_DEPLOYMENT", "LATEST_DEPLOYMENT", "SELECT_FLOW", "SELECT_DEPLOYMENT", "eval_deployment",
+           "evaluation_deployment",
            "benchmark_deployments", "builtin_benchmarks"]
