@@ -57,20 +57,29 @@ def test_equal_checkpoints_end_as_one_equivalent_set():
     assert sel.look < 500      # stopped before the end
 
 
+def _live(full: dict[str, np.ndarray], have: dict[str, np.ndarray], **kw) -> tuple[select.Selection, list, dict]:
+    """run_selection from the rows in `have`, generating from `full` exactly what it asks for: (the result, the
+    requests, the rows it ended with: what the store would hold)."""
+    asked: list[dict[str, int]] = []
+    store = dict(have)
+
+    def generate(need: dict[str, int]) -> dict[str, np.ndarray]:
+        asked.append(dict(need))
+        store.update({name: full[name][:upto] for name, upto in need.items()})
+        return {name: store[name] for name in need}
+
+    return select.run_selection(have, generate, kw.pop("looks", LOOKS), 0.05, 0.02, **kw), asked, store
+
+
 def test_rows_already_generated_are_not_asked_for_again():
     rng = np.random.default_rng(3)
     full = _job(rng, [0.3, 0.45, 0.52, 0.55, 0.56])
     have = {name: x[:0] for name, x in full.items()}                     # every checkpoint, most with no row yet
-    have.update({"step-0": full["step-0"][:120], "step-4": full["step-4"]})   # a stopped and a full evaluation
-    asked: list[dict[str, int]] = []
-
-    def generate(need: dict[str, int]) -> dict[str, np.ndarray]:
-        asked.append(dict(need))
-        return {name: full[name][:upto] for name, upto in need.items()}
-
-    sel = select.run_selection(have, generate, LOOKS, 0.05, 0.02)
+    # a stopped evaluation and two full ones
+    have.update({"step-0": full["step-0"][:120], "step-3": full["step-3"], "step-4": full["step-4"]})
+    sel, asked, store = _live(full, have)
     assert asked, "the selection needed rows of the checkpoints that had none"
-    assert all("step-4" not in need for need in asked)
+    assert all("step-4" not in need and "step-3" not in need for need in asked)
     # the stopped evaluation is asked only from beyond its 120 rows, and every request asks for more than it had
     assert all(need["step-0"] > 120 for need in asked if "step-0" in need)
     given: dict[str, int] = {name: len(x) for name, x in have.items()}
@@ -78,11 +87,31 @@ def test_rows_already_generated_are_not_asked_for_again():
         for name, upto in need.items():
             assert upto > given.get(name, 0)
             given[name] = upto
-    # a pure function of the rows: the same result on the complete rows, and on rows[:problems]
-    again = select.select_step(full, LOOKS, 0.05, 0.02)
-    assert (again.status, again.chosen, repr(again.records)) == (sel.status, sel.chosen, repr(sel.records))
-    cut = {r.checkpoint: full[r.checkpoint][: r.problems] for r in sel.records}
-    assert select.select_step(cut, LOOKS, 0.05, 0.02).chosen == sel.chosen
+    # nothing generated is thrown away: the full evaluations settled (nothing plausible would separate them from
+    # the rest) but are still compared with each other on all 500 rows they have
+    by_name = {r.checkpoint: r for r in sel.records}
+    for name in ("step-3", "step-4"):
+        assert by_name[name].settled_at is not None and by_name[name].problems == 500, by_name[name]
+    # a pure function of the rows: the rows the store ends with, and rows[:problems], re-derive it
+    for rows in (store, {r.checkpoint: full[r.checkpoint][: r.problems] for r in sel.records}):
+        again = select.select_step(rows, LOOKS, 0.05, 0.02)
+        assert (again.status, again.chosen, repr(again.records)) == (sel.status, sel.chosen, repr(sel.records))
+
+
+def test_checkpoints_that_cannot_be_told_apart_settle_early():
+    # greedy, 500 problems: two clearly worse checkpoints and four within 1.5 points of each other, which 500
+    # problems cannot separate at 19 comparisons (about 8 points would be needed). Without settling every one of the
+    # four is read to the end; with it, they stop when nothing plausible would separate them, and the set is the
+    # same four, returned as undecided with the reason. (Before settling the four read 500 problems each.)
+    full = _job(np.random.default_rng(6), [0.2, 0.3, 0.55, 0.555, 0.56, 0.565])
+    sel, _, _ = _live(full, {name: x[:0] for name, x in full.items()})
+    everything = select.select_step(full, LOOKS, 0.05, 0.02, futility=None)
+    assert sel.status == everything.status == "undecided"
+    assert set(sel.chosen) == set(everything.chosen) == {"step-2", "step-3", "step-4", "step-5"}
+    assert set(sel.settled) == set(sel.chosen) and sel.look < 500
+    assert "cannot be told apart" in sel.reason and "0.95" in sel.reason
+    read = sum(r.problems for r in sel.records)
+    assert read < 0.5 * sum(r.problems for r in everything.records), read
 
 
 @pytest.mark.parametrize("benchmark,problems", [("AIME24", 30), ("AMC23", 40)])
@@ -117,15 +146,21 @@ def test_large_enough_benchmark_passes_the_check():
     assert select.too_small(500, k=2, margin=0.05) is None
 
 
-def _false_drops(runs: int, seed: int, alpha: float) -> float:
-    """Share of jobs of 20 equal checkpoints (n = 1, 200 problems) in which the first one, a truly best, is dropped."""
+def _false_drops(runs: int, seed: int, alpha: float, live: bool = False) -> float:
+    """Share of jobs of 20 equal checkpoints (n = 1, 200 problems) in which the first one, a truly best, is dropped
+    (`live`: generated as the selection asks, so that settled checkpoints are read no further)."""
     rng = np.random.default_rng(seed)
     looks = select.planned_looks(200, 10)
     dropped = 0
     for _ in range(runs):
         p = rng.beta(0.75, 0.75, 200)
         rows = {f"c{j}": rng.binomial(1, p).astype(float) for j in range(20)}
-        sel = select.select_step(rows, looks, alpha, 0.02, intervals=False)
+        if live:
+            sel = select.run_selection({j: x[:0] for j, x in rows.items()},
+                                       lambda need: {j: rows[j][:t] for j, t in need.items()}, looks, alpha, 0.02,
+                                       intervals=False)
+        else:
+            sel = select.select_step(rows, looks, alpha, 0.02, intervals=False)
         dropped += "c0" not in sel.chosen
     return dropped / runs
 
@@ -141,6 +176,23 @@ def test_the_multiplicity_of_leaders_is_corrected(monkeypatch):
     monkeypatch.setattr(select, "log_threshold", lambda k, alpha: math.log(1 / alpha))
     uncorrected = _false_drops(100, seed=4, alpha=alpha)
     assert uncorrected > alpha, uncorrected
+
+
+def test_settling_keeps_the_guarantee(monkeypatch):
+    # the same 20 equal checkpoints, generated as the selection asks: stopping early and reading settled
+    # checkpoints no further keeps the truly best in the set (and the correction still matters)
+    alpha = 0.2
+    assert _false_drops(100, seed=4, alpha=alpha, live=True) <= alpha / 2
+    monkeypatch.setattr(select, "log_threshold", lambda k, alpha: math.log(1 / alpha))
+    assert _false_drops(100, seed=4, alpha=alpha, live=True) > alpha
+
+
+def test_default_looks_are_dense_early_and_rounds_give_decides():
+    looks = select.planned_looks(500)
+    assert looks[:5] == [10, 20, 25, 30, 40] and looks[-3:] == [450, 475, 500]
+    assert select.planned_looks(30) == [5, 10, 15, 20, 25, 30]
+    from evaldag.decisions.decide import round_ends
+    assert select.planned_looks(500, 10) == round_ends(500, 10)
 
 
 def test_bad_input_is_named():
