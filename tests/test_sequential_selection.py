@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from evaldag.decisions import sequential
+from evaldag.decisions import paired, sequential
 from evaldag.decisions.decide import round_ends
 
 
@@ -67,6 +67,6 @@ def test_equivalence_between_identical_checkpoints_stays_within_reach():
 
 
 def test_chernoff_bound_is_clopper_pearson_at_zero():
-    u = sequential._chernoff_bound(np.zeros(1), 150, 0.0025, upper=True)[0]
+    u = paired._chernoff_bound(np.zeros(1), 150, 0.0025, upper=True)[0]
     assert abs(u - (1 - 0.0025 ** (1 / 150))) < 1e-9
 

@@ -399,14 +399,20 @@ def _verdict_tags(data) -> dict[str, str]:
     return {k: v for k, v in data.tags.items() if k.startswith("verdict.")}
 
 
-def test_each_evaluation_is_paired_with_the_jobs_previous_best_and_baseline(mlflow_server, configs, tmp_path):
+def test_each_evaluation_is_paired_with_the_jobs_previous_best_and_baseline(mlflow_server, configs, tmp_path,
+                                                                          monkeypatch):
     """Steps 1 and 2 of one job on the same 100 problems, step 2 solving 30 more: step 2's run says `better` than
     the previous (and best) checkpoint, with the difference, its interval and p-value as metrics. Step 3 with the
-    very same samples is `equivalent` (d = 0 on every problem: the interval [0, 0] lies inside the margin). A quick
-    slice (another comparison key) is paired with nothing, nor is anything paired with it; a baseline named in the
-    request is compared too."""
+    very same samples is `equivalent` at margin 0.06 (d = 0 on every problem: the t interval is [0, 0]; the
+    rare-difference bound of 100 agreeing problems is +-0.038 against one, 0.047 above against the best of two: at
+    0.02 both would be `undecided`, paired.rare_within_margin).
+    A quick slice (another comparison key) is paired with nothing, nor is anything paired with it; a baseline named in
+    the request is compared too."""
+    from evaldag.decisions import verdicts
     from evaldag.decisions.series import comparison_key
     from evaldag.tracking.write import track
+
+    monkeypatch.setenv(verdicts.MARGIN_ENV, "0.06")
 
     job = "verdict-run"
     plan1, m1 = _verdict_plan(tmp_path, 1, job, solved=40)

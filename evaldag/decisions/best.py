@@ -34,7 +34,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import polars as pl
 
-from evaldag.decisions.paired import PairedVerdict, paired_differences, sign_flip_p_value, verdict_from_interval
+from evaldag.decisions.paired import (PairedVerdict, paired_differences, rare_within_margin, sign_flip_p_value,
+                                      verdict_from_interval)
 
 
 def candidates(earlier: Sequence[Mapping]) -> list[Mapping]:
@@ -97,6 +98,8 @@ def best_verdict(differences: Sequence[np.ndarray], margin: float = 0.02, alpha:
         methods = {method for _, method in found}
         p = max(q for q, _ in found) if low > 0 else min(1.0, k * found[0][0])
     verdict = verdict_from_interval(low, high, margin, p, alpha) if m >= min_problems else "undecided"
+    if verdict == "equivalent" and not rare_within_margin(ds, margin, alpha):
+        verdict = verdict_from_interval(low, high, 0.0, p, alpha)
     method = "monte-carlo" if "monte-carlo" in methods else "exact"
     return PairedVerdict(m, stats[at_diff][0], stats[at_diff][1], low, high, p, method, verdict, margin, alpha)
 

@@ -43,9 +43,12 @@ from typing import Sequence
 import numpy as np
 # scipy.special, not scipy.stats: every flow run imports this module (the shard's pacing) and scipy.stats would add
 # 0.3 s to each start on a 2-core box (docs/performance.md)
-from scipy.special import ndtr, ndtri, stdtrit
+from scipy.special import ndtr, ndtri
 
-from evaldag.decisions.verdicts import verdict_from_interval
+# the rare-difference bound and the look's t multiplier live with the paired test, which reads them too (a fixed-n
+# `equivalent` needs the same bound); verdict_from_interval from paired, not verdicts (which reads best, which reads
+# this module)
+from evaldag.decisions.paired import look_quantile, rare_interval, verdict_from_interval
 
 # the pseudo-observation's squared distance from the mean: d lies in [-1, 1], so no spread exceeds the range's width
 PSEUDO_SQUARE = 1.0
@@ -116,12 +119,6 @@ def look_spread(squares: np.ndarray | float, m: int) -> np.ndarray | float:
     return np.sqrt((squares + PSEUDO_SQUARE) / m)
 
 
-def look_quantile(z: float, count: int) -> float:
-    """The multiplier of a look over `count` problems at boundary z: Student's t with count - 1 degrees of freedom
-    at the normal tail of z."""
-    return float(-stdtrit(count - 1, ndtr(-z)))
-
-
 def look_interval(d: np.ndarray, z: float, d_high: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The repeated confidence interval of the mean of `d` (shape (T,) or (runs, T): one look over all T) at
     boundary z. `d_high`: where some observations are only known to lie in a range (a problem whose samples still
@@ -144,65 +141,6 @@ def look_interval(d: np.ndarray, z: float, d_high: np.ndarray | None = None) -> 
     spread = np.maximum((lo_d - centre) ** 2, (hi_d - centre) ** 2).sum(axis=1)
     half = look_quantile(z, m) * look_spread(spread, m) / math.sqrt(m)
     return np.maximum(mean_lo - half, -1.0), np.minimum(mean_hi + half, 1.0)
-
-
-def _kl_bernoulli(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """KL(Bernoulli(p) || Bernoulli(q)), elementwise, 0 log 0 = 0."""
-    p = np.clip(p, 0.0, 1.0)
-    q = np.clip(q, 1e-300, 1 - 1e-16)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        a = np.where(p > 0, p * np.log(p / q), 0.0)
-        b = np.where(p < 1, (1 - p) * np.log((1 - p) / (1 - q)), 0.0)
-    return a + b
-
-
-def _chernoff_bound(mean: np.ndarray, m: int, delta: float, upper: bool) -> np.ndarray:
-    """The Chernoff-Hoeffding bound on the mean of m independent values in [0, 1] with sample mean `mean`: the
-    mu beyond `mean` (above when `upper`) with m KL(mean || mu) = log(1 / delta); it errs with probability at most
-    delta (Hoeffding 1963, Thm 1: the Bernoulli is the worst case for [0, 1] data). With a zero mean the upper bound
-    is 1 - delta^(1/m), the Clopper-Pearson bound of zero successes in m."""
-    mean = np.clip(np.asarray(mean, dtype=np.float64), 0.0, 1.0)
-    lo, hi = (mean.copy(), np.ones_like(mean)) if upper else (np.zeros_like(mean), mean.copy())
-    target = math.log(1 / delta) / m
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        inside = _kl_bernoulli(mean, mid) <= target
-        if upper:
-            lo, hi = np.where(inside, mid, lo), np.where(inside, hi, mid)
-        else:
-            lo, hi = np.where(inside, lo, mid), np.where(inside, mid, hi)
-    return hi if upper else lo
-
-
-def rare_interval(d: np.ndarray, z: float, d_high: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """An interval for the mean of `d` (shape (T,) or (runs, T); `d_high` as in `look_interval`) that holds when
-    differences are rare and one-sided, where the t interval does not: with no differing problem among 150 the t
-    interval's half-width is 0.017 (the pseudo-observation's spread alone), while 2 % of problems broken and none
-    fixed shows no difference in 150 with probability 0.05.
-
-    The bound. The t interval's spread, read from the few problems that differ, underestimates the variance of a
-    rare difference; here it is replaced by an upper confidence bound on E[d^2] >= Var(d) (Wilson's idea, the
-    variance taken at the bound rather than at the estimate): the Chernoff-Hoeffding bound of the mean of d^2, valid
-    for any data in [0, 1] (`_chernoff_bound`; with no differing problem it is 1 - delta^(1/m), Clopper-Pearson's
-    bound of zero events), at the look's one-sided nominal level Phi(-z). The half-width is then the look's t
-    multiplier times sqrt(U / m): with no differing problem in 150 it is 0.039 (the exact Clopper-Pearson bound on a
-    one-sided rate there: 0.035), and where many problems differ it is close to the t interval's, so Pocock's planned
-    looks and boundary are kept and `equivalent` stays within reach. Why not exact bounds on the shares of problems
-    broken and fixed, each a binomial rate for n = 1: their Bernoulli worst case ignores that with n > 1 samples a
-    problem's difference is a fraction, and on MATH-500-like data with n = 4 they never reached `equivalent` at
-    margin 0.05 between identical checkpoints (the t interval: 94 %); a betting confidence sequence would pay for
-    looks decide never takes (module docstring). Its coverage rests on the normal approximation at a variance that
-    is not underestimated; simulated in bench/bench_decide.py, line (e)."""
-    lo_d = np.atleast_2d(np.asarray(d, dtype=np.float64))
-    hi_d = lo_d if d_high is None else np.atleast_2d(np.asarray(d_high, dtype=np.float64))
-    m = lo_d.shape[1]
-    if m < 2:
-        return np.full(lo_d.shape[0], -1.0), np.full(lo_d.shape[0], 1.0)
-    # d^2 at its greatest over the unfinished samples' ranges
-    square = np.maximum(lo_d ** 2, hi_d ** 2)
-    bound = _chernoff_bound(square.mean(axis=1), m, float(ndtr(-z)), upper=True)
-    half = look_quantile(z, m) * np.sqrt(bound / m)
-    return np.maximum(lo_d.mean(axis=1) - half, -1.0), np.minimum(hi_d.mean(axis=1) + half, 1.0)
 
 
 @dataclass(frozen=True)
