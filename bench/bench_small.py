@@ -14,6 +14,8 @@ Lines printed, per benchmark and n:
   decide <bench> ... at margin M (the smallest within reach, rounded up): false equivalent at a one-sided difference
       of M (greedy: a share M of the problems broken, none fixed) and at a spread difference of M (logit shift);
       equivalent at no difference (the power it buys);
+  fixed-n verdict <bench>: the verdict every evaluation logs (paired_test) against the previous checkpoint: false
+      equivalent at a one-sided difference of the margin, false worse / better at no difference;
   select <bench> N problems, K checkpoints: too_small's figures at margin 0.02 (smallest margin, problems a drop
       needs), and by simulation, K checkpoints of equal skill but one 10 points better: the share of runs whose
       returned set holds it (goal >= 1 - alpha) and the set's median size.
@@ -32,7 +34,7 @@ import numpy as np
 import _common  # noqa: F401  (puts the project on sys.path)
 import bench_decide
 from bench_decide import shifted, solve_rates
-from evaldag.decisions import select
+from evaldag.decisions import paired, select
 from evaldag.decisions.decide import round_ends
 from evaldag.decisions.reach import planned_reach
 from evaldag.decisions.sequential import stopping_times
@@ -111,6 +113,21 @@ def select_lines(rng: np.random.Generator, name: str, problems: int, runs: int, 
               f"median set size {np.median(sizes):.0f} of {k} ({runs} runs)")
 
 
+def fixed_n_lines(rng: np.random.Generator, name: str, problems: int, runs: int, alpha: float) -> None:
+    """The fixed-n verdict every evaluation logs against the previous checkpoint (paired.paired_test), greedy: false
+    `equivalent` at a one-sided difference of the margin (a share of the problems broken, none fixed), and false
+    better/worse at no difference (bench_decide's difficulty model)."""
+    parts = []
+    for margin in (MARGIN, 0.05):
+        d = -(rng.random((runs, problems)) < margin).astype(np.float64)
+        calls = np.array([paired.paired_test(row, margin, alpha, grid=1).verdict for row in d])
+        parts.append(f"false equivalent, one-sided {margin:g} at margin {margin:g}: {_rate(calls, 'equivalent')}")
+    same = equal_skill(rng, runs, problems, 1, 1)[:, 0, :]
+    calls = np.array([paired.paired_test(row, MARGIN, alpha, grid=1).verdict for row in same])
+    parts.append(f"false worse {_rate(calls, 'worse')}, false better {_rate(calls, 'better')} at no difference")
+    print(f"fixed-n verdict {name} {problems} problems, n=1: " + "; ".join(parts) + f" (alpha {alpha}, {runs} runs)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=4000, help="simulated runs per decide line")
@@ -123,6 +140,7 @@ def main() -> None:
     for name, problems in SETS:
         for n in (1, 4):
             decide_lines(rng, name, problems, n, args.runs, args.alpha)
+        fixed_n_lines(rng, name, problems, args.runs // 4, args.alpha)
         select_lines(rng, name, problems, args.select_runs, args.alpha)
     print(f"wall time {time.perf_counter() - start:.1f} s")
 
