@@ -47,7 +47,13 @@ def select(  # noqa: PLR0913 - one typer option per parameter
 
     if engine is not None and engine not in ("vllm", "hf", "openai"):
         raise typer.BadParameter(f"--engine {engine!r}: use vllm, hf or openai")
+    from evaldag.tracking.selection import parse_steps
+
     [benchmark] = runner.benchmark_names(benchmark, typer.BadParameter)   # a config file: its absolute path
+    try:
+        parse_steps(steps)              # refused here, before anything starts
+    except EvalDagError as e:
+        raise typer.BadParameter(str(e)) from None
     sampling = {k: v for k, v in dict(n=n, temperature=temperature, max_new_tokens=max_new_tokens,
                                       seed=seed).items() if v is not None} or None
     folders = [str(Path(c).expanduser().resolve()) if Path(c).expanduser().exists() else c
