@@ -205,6 +205,28 @@ def test_live_runs_crashed_by_the_lost_run_automation_recover(live_stack):
     assert samples.height == 64 and samples.select("sample_id", "sample_index").n_unique() == 64
 
 
+def test_a_run_lost_before_its_first_heartbeat_reaches_the_server_is_crashed(live_stack):
+    """A flow run whose process and worker die before its first heartbeat event is delivered (the event still in the
+    client's buffer under load, then SIGKILL) sent the server nothing but its Running state. The lost-run automation
+    must count that as the start of the silence too, or the run stays Running forever and its parent never
+    relaunches it (seen in test_foreground_worker on a loaded box)."""
+    from prefect import flow
+    from prefect.states import Running
+
+    from evaldag.runtime.cluster import WATCHED_TAG
+
+    @flow(name="evaldag-lost-before-heartbeat")
+    def lost() -> None:
+        """Never runs: only its flow run is made."""
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(lost, tags=[WATCHED_TAG, "shard"])
+        client.set_flow_run_state(run.id, Running(), force=True)
+    state = wait(lambda: (s := flow_run(run.id).state) and s.is_final() and s,
+                 timeout=3 * live_stack.settings.missed_heartbeats * live_stack.settings.heartbeat_s)
+    assert state.is_crashed(), state
+
+
 # figures of the machine and the attempt, not of the answers: they differ between any two runs
 _SYSTEM = {"generation_tokens", "generation_s", "grading_s", "scoring_s", "model_load_s", "shard_peak_rss_mb",
            "shard_peak_gpu_mb", "shard_generation_s_max", "generation_tokens_per_s", "generation_tokens_per_s_per_gib",

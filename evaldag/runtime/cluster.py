@@ -11,8 +11,8 @@ Lost nodes: a flow run whose process dies together with its worker (node lost, k
 forever, because nothing is left to report it. Every flow run of evaldag's workers sends a heartbeat event every
 `heartbeat_s` seconds (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, minimum 30), and the head's server gets a proactive
 automation (`crash_automation`) that sets a run Crashed when `missed_heartbeats * heartbeat_s` seconds (3 x 30 s by
-default) pass after a heartbeat
-without another heartbeat or a final state. The parent's launch task then relaunches the shard on a live worker.
+default) pass after a heartbeat, or after the run went Running (a run lost before its first heartbeat reached the
+server), without another heartbeat or a final state. The parent's launch task then relaunches the shard on a live worker.
 Only flow runs tagged `evaldag` are watched: a flow run of anything else on the same server, with Prefect's default
 180 s heartbeat, must never be crashed by a 90 s window. The window is judged on the head's wall clock: after a clock
 step, a pause of the head or a partition, runs that still live can be crashed too; evaldag.runtime.liveness undoes that
@@ -204,7 +204,7 @@ def public_host(bind_host: str) -> str:
 
 def crash_automation(heartbeat_s: int, missed_heartbeats: int = MISSED_HEARTBEATS):
     """The proactive automation that crashes a watched flow run `missed_heartbeats * heartbeat_s` seconds after its
-    last heartbeat, unless a final state came first (Prefect's documented zombie-flow pattern, limited to
+    last heartbeat (or its Running state, when no heartbeat came), unless a final state came first (Prefect's documented zombie-flow pattern, limited to
     flow runs tagged WATCHED_TAG)."""
     from prefect.client.schemas.objects import StateType
     from prefect.events.actions import ChangeFlowRunState
@@ -220,7 +220,9 @@ def crash_automation(heartbeat_s: int, missed_heartbeats: int = MISSED_HEARTBEAT
                     f"send heartbeats every {heartbeat_s} s (PREFECT_FLOWS_HEARTBEAT_FREQUENCY).",
         trigger=EventTrigger(
             posture=Posture.Proactive,
-            after={"prefect.flow-run.heartbeat"},
+            # Running too: a run lost before its first heartbeat event reaches the server (buffered in the client,
+            # then SIGKILL) has sent nothing else, and would stay Running forever
+            after={"prefect.flow-run.heartbeat", "prefect.flow-run.Running"},
             expect={"prefect.flow-run.heartbeat", *final},
             match=ResourceSpecification({"prefect.resource.id": "prefect.flow-run.*"}),
             match_related=ResourceSpecification({"prefect.resource.role": "tag",
