@@ -19,7 +19,6 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from evaldag.decisions.select import planned_looks, too_small
 from evaldag.decisions.select_rows import summarize
-from evaldag.request.plan import DEFAULT_ROUNDS
 from evaldag.runtime.deployments import SELECT_FLOW
 from tasks.gpu_slots import pool_num_gpus
 from tasks.select import choose_task, log_task, plan_checkpoints, publish, run_rounds
@@ -34,7 +33,7 @@ def select_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` w
     steps: str | None = None,
     alpha: float = 0.05,
     margin: float = 0.02,
-    rounds: int = DEFAULT_ROUNDS,
+    rounds: int | None = None,
     limit: int | None = None,
     num_shards: int | None = None,
     sampling: dict | None = None,
@@ -43,7 +42,8 @@ def select_flow(  # noqa: PLR0913 - one flat parameter each, so `-p key=value` w
     """The best checkpoint of `train_run` on `benchmark`, or the set within `margin` of the best when they cannot
     be told apart: with probability at least 1 - `alpha` the truly best is in it. Checkpoints: `checkpoints`
     (folders), else the job's known ones (its evaluations in MLflow, its folder under EVALDAG_CHECKPOINT_ROOTS),
-    within `steps` ("A:B"). Read at `rounds` planned looks; `limit`, `num_shards`, `sampling` and `engine` as for
+    within `steps` ("A:B"). Read at select's planned looks (`planned_looks`: dense at first, where clearly
+    worse checkpoints drop, then every twentieth of the problems), or at `rounds` equal steps; `limit`, `num_shards`, `sampling` and `engine` as for
     eval (the same as the evaluations whose rows it should reuse). Returns the selection (tracking.selection)."""
     t0 = time.monotonic()
     log = get_run_logger()

@@ -69,3 +69,16 @@ def test_the_result_in_words_markdown_and_a_table():
     assert "round 1 (20)" in out.getvalue() and "-50.0 [-80.0, -20.0]" in out.getvalue()
     undecided = describe(_summary(status="undecided", best_step=None, set=[2, 3]))
     assert "the best is one of steps 2, 3" in undecided
+
+
+def test_a_settled_set_says_why_it_is_undecided_and_where_each_member_stopped():
+    rows = _summary()["checkpoints"]
+    rows[0] |= {"in_set": True, "dropped_round": None, "dropped_at": None, "settled_at": 150}
+    rows[1] |= {"settled_at": 150}
+    reason = "2 checkpoints cannot be told apart on this benchmark at alpha 0.05 and margin 0.02 (settled)"
+    s = _summary(status="undecided", best_step=None, set=[1, 2], settled=[1, 2], reason=reason, checkpoints=rows)
+    assert reason in describe(s) and "the best is one of steps 1, 2" in describe(s)
+    assert "| 1 | yes | 20 | 0.100 | settled after 150 |" in markdown(s)
+    out = io.StringIO()
+    Console(file=out, width=200).print(render(s))
+    assert "settled after 150" in out.getvalue()

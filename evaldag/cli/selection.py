@@ -25,7 +25,10 @@ def select(  # noqa: PLR0913 - one typer option per parameter
                                          "the returned set with probability at least 1 - alpha")] = 0.05,
     margin: Annotated[float, typer.Option(min=0, max=0.99, help="accuracy difference within which checkpoints "
                                           "are `equivalent` (0.02 = 2 points)")] = 0.02,
-    rounds: Annotated[int, typer.Option(min=1, max=1000, help="planned looks, at equal steps of the problems")] = 10,
+    rounds: Annotated[Optional[int], typer.Option(
+        min=1, max=1000, help="planned looks at N equal steps of the problems (fewer rounds of shard launches, more "
+        "tokens); default: select's own looks, every 50th of the problems up to a fifth of them, then every 20th")
+    ] = None,
     limit: Annotated[Optional[int], typer.Option(help="only the first N problems")] = None,
     n: Annotated[Optional[int], typer.Option("--n", "-n", min=1, max=1024, help="samples per problem (with "
                                              "--temperature above 0)")] = None,
@@ -137,7 +140,8 @@ def render(summary: dict):
     for col in ("step", "in set", "problems read", "accuracy", "dropped at", "vs", "difference, points [interval]"):
         table.add_column(col, justify="left" if col in ("vs", "in set") else "right")
     for c in summary["checkpoints"]:
-        dropped = "-" if c["dropped_round"] is None else f"round {c['dropped_round']} ({c['dropped_at']})"
+        dropped = ("-" if c.get("settled_at") is None else f"settled after {c['settled_at']}") \
+            if c["dropped_round"] is None else f"round {c['dropped_round']} ({c['dropped_at']})"
         table.add_row(str(c["step"]), "[green]yes[/]" if c["in_set"] else "no", str(c["problems"]),
                       "-" if c["mean"] is None else f"{c['mean']:.3f}", dropped, c["vs"] or "-",
                       f"{pts(c['diff'])} [{pts(c['ci_low'])}, {pts(c['ci_high'])}]")

@@ -97,7 +97,8 @@ def describe(summary: dict) -> str:
     steps = ", ".join(str(s) for s in summary["set"])
     what = {"best": f"step {summary['best_step']} is best",
             "equivalent": f"steps {steps} are within {summary['margin']:g} of each other (any of them)",
-            "undecided": f"the best is one of steps {steps} (not told apart by the last look)"}[summary["status"]]
+            "undecided": f"the best is one of steps {steps} ("
+                         f"{summary.get('reason') or 'not told apart by the last look'})"}[summary["status"]]
     t = summary["tokens"]
     spent = (f"{t['generated']} tokens generated ({summary['tokens_ratio']:.2f} of the {t['full_est']} of all in "
              f"full)" if summary["tokens_ratio"] is not None else f"{t['generated']} tokens generated")
@@ -114,7 +115,8 @@ def markdown(summary: dict) -> str:
     lines = [f"**{describe(summary)}**", "", "| step | in set | problems read | accuracy | dropped at round (problems) "
              "| vs | difference, points [interval] |", "|---|---|---|---|---|---|---|"]
     for c in summary["checkpoints"]:
-        dropped = "-" if c["dropped_round"] is None else f"{c['dropped_round']} ({c['dropped_at']})"
+        dropped = ("-" if c.get("settled_at") is None else f"settled after {c['settled_at']}") \
+            if c["dropped_round"] is None else f"{c['dropped_round']} ({c['dropped_at']})"
         mean = "-" if c["mean"] is None else f"{c['mean']:.3f}"
         lines.append(f"| {c['step']} | {'yes' if c['in_set'] else 'no'} | {c['problems']} | {mean} | {dropped} | "
                      f"{c['vs'] or '-'} | {pct(c['diff'])} [{pct(c['ci_low'])}, {pct(c['ci_high'])}] |")
