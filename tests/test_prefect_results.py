@@ -107,13 +107,14 @@ def _prefect_objects() -> list[tuple[str, object]]:
 
 def test_no_task_persists_or_looks_up_a_result_in_the_store():
     """A task with a cache policy reads the record at its cache key before it runs, through Prefect's reader; so no
-    task has one, and no flow but the eval flow (its summary, as JSON) persists a result."""
+    task has one, and no flow but the eval and select flows (their summaries, as JSON, which the CLI reads back with
+    prefect_results.read_result as plain data) persists a result."""
     objects = _prefect_objects()
     assert {"tasks/resolve.py:resolve_task", "flows/eval_flow.py:eval_flow"} <= {name for name, _ in objects}
     for name, obj in objects:
         if isinstance(obj, Task):
             assert obj.persist_result is False and obj.cache_policy in (None, NO_CACHE), name
-        elif name == "flows/eval_flow.py:eval_flow":
+        elif name in ("flows/eval_flow.py:eval_flow", "flows/select_flow.py:select_flow"):
             assert obj.persist_result is True and obj.result_serializer == "json", name
         else:
             assert not obj.persist_result, name
