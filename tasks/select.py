@@ -46,11 +46,12 @@ def run_rounds(rows: dict[str, CheckpointRows], looks: list[int], alpha: float, 
     shards generate the prefix it needs (all survivors at once, on the gpu pool), read the new rows and replay."""
     log = get_run_logger()
     while True:
-        sel = select_step({label: r.scores() for label, r in rows.items()}, looks, alpha, margin)
+        scores = {label: r.scores() for label, r in rows.items()}
+        sel = select_step(scores, looks, alpha, margin)
         if sel.done:
             return sel
         log.info("look %d done; %s need rows: %s", sel.look, len(sel.need),
-                 ", ".join(f"{label} up to {t} (has {rows[label].scores().size})" for label, t in sel.need.items()))
+                 ", ".join(f"{label} up to {t} (has {scores[label].size})" for label, t in sel.need.items()))
         futures = []
         for label, t in sel.need.items():
             plan = rows[label].plan
